@@ -1,0 +1,1 @@
+"""dew_pipe/beam"""
