@@ -1,0 +1,129 @@
+"""Pure attention pieces of the decoder: rotary embedding, masks and grouped attention.
+
+These are plain functions on arrays so that they can be swapped or tuned one at a time.
+
+Strategy:
+- Masks are boolean and computed once per forward pass (outside the layer scan), then
+  broadcast to every layer and head.
+- Grouped-query attention never repeats keys and values: queries are viewed as
+  ``[B, S, K, G, D]`` (K key/value heads, G query heads per key head) and contracted
+  against ``[B, T, K, D]`` keys directly.
+- Attention may span several key/value *parts* with one joint softmax. The cached path uses
+  two: the cache as it was before this call, and the keys computed in this call. So the
+  cache is never concatenated or copied inside the layer loop, and the new entries are
+  written into it once, after the loop.
+- Masked scores get a large negative finite value rather than ``-inf``: a query with
+  nothing to attend (a padding token) then averages uniformly instead of producing NaN,
+  which would poison gradients even where the loss ignores that token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["apply_rotary", "attend", "cache_mask", "causal_segment_mask", "rotary_angles"]
+
+_MASKED = -1e30
+
+
+def rotary_angles(positions: jax.Array, inv_freq: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Cosine and sine of the rotary angles, float32 ``[B, S, head_dim // 2]``.
+
+    Args:
+        positions: ``[B, S]`` integer positions.
+        inv_freq: ``[head_dim // 2]`` float32 inverse frequencies.
+
+    Returns:
+        ``(cos, sin)``.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``x`` ``[B, S, heads, D]`` by the angles, in transformers' rotate-half layout.
+
+    The first and second halves of each head are the two coordinates of each rotated pair,
+    so Hugging Face q/k projection weights load without any permutation.
+    """
+    half = x.shape[-1] // 2
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """``[B, S, S]`` bool: query i may see key j when j ≤ i and both share a segment > 0."""
+    length = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return same & causal[None] & (segment_ids > 0)[:, :, None]
+
+
+def cache_mask(
+    cache_positions: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    cache_index: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Masks of a cached call over the old cache and over this call's own tokens.
+
+    A query sees every filled slot (position ≥ 0) whose position is ≤ its own. Slots this
+    call is about to overwrite, ``[index_b, index_b + S)``, are excluded from the old part,
+    since the new tokens replace them; the new tokens themselves are visible to each other
+    by the same position rule, padding (segment 0) excluded.
+
+    Args:
+        cache_positions: ``[B, T]`` int32 positions stored in the cache (−1 empty).
+        positions: ``[B, S]`` int32 positions of the new tokens.
+        segment_ids: ``[B, S]`` int32; 0 marks padding.
+        cache_index: ``[B]`` int32 write offset of each row.
+
+    Returns:
+        ``(old [B, S, T], new [B, S, S])`` boolean masks.
+    """
+    length = positions.shape[1]
+    slots = jnp.arange(cache_positions.shape[1])[None, :]
+    start = cache_index[:, None]
+    overwritten = (slots >= start) & (slots < start + length)
+    usable = (cache_positions >= 0) & ~overwritten
+    old = usable[:, None, :] & (cache_positions[:, None, :] <= positions[:, :, None])
+    new = (segment_ids > 0)[:, None, :] & (positions[:, None, :] <= positions[:, :, None])
+    return old, new
+
+
+def attend(
+    query: jax.Array,
+    parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
+) -> jax.Array:
+    """Grouped-query attention over one or more key/value parts with a joint softmax.
+
+    Args:
+        query: ``[B, S, H, D]``, already scaled by ``D ** -0.5`` and rotated.
+        parts: ``(key [B, T, K, D], value [B, T, K, D], mask [B, S, T] bool)`` triples;
+            ``K`` divides ``H``.
+
+    Returns:
+        ``[B, S, H, D]`` in the query's dtype. Scores and the softmax are float32.
+    """
+    batch, length, heads, dim = query.shape
+    kv_heads = parts[0][0].shape[2]
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, dim)
+    scores = []
+    for key, _, mask in parts:
+        score = jnp.einsum("bskgd,btkd->bkgst", grouped, key, preferred_element_type=jnp.float32)
+        scores.append(jnp.where(mask[:, None, None], score, _MASKED))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0])
+    probs = probs.astype(query.dtype)
+    out = None
+    offset = 0
+    for key, value, _ in parts:
+        span = key.shape[1]
+        piece = jnp.einsum("bkgst,btkd->bskgd", probs[..., offset : offset + span], value)
+        out = piece if out is None else out + piece
+        offset += span
+    return out.reshape(batch, length, heads, dim)

@@ -1,0 +1,354 @@
+"""Causal decoder of the Llama/Qwen3 family as a Flax linen module.
+
+`CausalTransformer` takes packed rows (``segment_ids`` keep attention inside each document,
+``positions`` restart per document) and decodes with a per-row key/value cache.
+
+Layout choices, for speed and compile time:
+- The blocks run under ``nn.scan``: one block is traced and compiled once whatever
+  ``num_layers`` is, and every block parameter is stacked on a leading layer axis
+  (``params["layers"]["attn"]["q"]`` is ``[L, D, H * head_dim]``).
+- Every projection is a 2-D matmul on ``[B * S, features]``; matrices are stored
+  ``[in, out]``.
+- Masks and rotary angles are computed once per call, outside the layer scan.
+
+Parameters (``L`` layers, ``D`` emb_features, ``H``/``K`` query/key heads, ``d`` head_dim,
+``F`` mlp_features, ``V`` vocab_size)::
+
+    embed [V, D]
+    layers/attn_norm/scale [L, D]      layers/mlp_norm/scale [L, D]
+    layers/attn/q [L, D, H*d]   k, v [L, D, K*d]   o [L, H*d, D]
+    layers/attn/q_norm/scale, k_norm/scale [L, d]   (qk_norm only)
+    layers/mlp/gate, up [L, D, F]   down [L, F, D]
+    final_norm/scale [D]
+    lm_head [D, V]                                   (untied only)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_pipe.models import attention, checks
+from dew_pipe.models.config import TransformerConfig
+
+__all__ = ["CausalTransformer", "Cache"]
+
+Cache = dict[str, jax.Array]
+"""``{"key": [L, B, T, K, d], "value": [L, B, T, K, d], "positions": [B, T] int32}``."""
+
+
+def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in] @ kernel [in, out]`` as one 2-D matmul in ``x``'s dtype."""
+    lead = x.shape[:-1]
+    out = jnp.dot(x.reshape(-1, x.shape[-1]), kernel.astype(x.dtype))
+    return out.reshape(*lead, kernel.shape[-1])
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last axis, computed in float32 (as transformers)."""
+
+    features: int
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (self.features,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions and optional q/k norm."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, context: dict[str, jax.Array], layer_cache: Any
+    ) -> tuple[jax.Array, Any]:
+        cfg = self.config
+        dense = nn.initializers.normal(cfg.init_std)
+        D, H, K, d = cfg.emb_features, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_w = self.param("q", dense, (D, H * d), cfg.param_dtype)
+        k_w = self.param("k", dense, (D, K * d), cfg.param_dtype)
+        v_w = self.param("v", dense, (D, K * d), cfg.param_dtype)
+        o_w = self.param("o", dense, (H * d, D), cfg.param_dtype)
+        batch, length = x.shape[:2]
+        q = _dense(x, q_w).reshape(batch, length, H, d)
+        k = _dense(x, k_w).reshape(batch, length, K, d)
+        v = _dense(x, v_w).reshape(batch, length, K, d)
+        if cfg.qk_norm:
+            norm = dict(features=d, eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            q = RMSNorm(**norm, name="q_norm")(q)
+            k = RMSNorm(**norm, name="k_norm")(k)
+        cos, sin = context["cos"], context["sin"]
+        q = attention.apply_rotary(q, cos, sin) * jnp.asarray(d**-0.5, q.dtype)
+        k = attention.apply_rotary(k, cos, sin)
+        parts = [(k, v, context["mask"])]
+        if layer_cache is not None:
+            parts.insert(0, (layer_cache[0], layer_cache[1], context["cache_mask"]))
+        out = attention.attend(q, parts).reshape(batch, length, H * d)
+        new_entries = None if layer_cache is None else (k, v)
+        return _dense(out, o_w), new_entries
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        dense = nn.initializers.normal(cfg.init_std)
+        D, F = cfg.emb_features, cfg.mlp_features
+        gate = self.param("gate", dense, (D, F), cfg.param_dtype)
+        up = self.param("up", dense, (D, F), cfg.param_dtype)
+        down = self.param("down", dense, (F, D), cfg.param_dtype)
+        return _dense(jax.nn.silu(_dense(x, gate)) * _dense(x, up), down)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block; the scan body (carry: hidden states, x: this layer's cache)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, layer_cache: Any, context: dict[str, jax.Array]
+    ) -> tuple[jax.Array, Any]:
+        cfg = self.config
+        norm = dict(
+            features=cfg.emb_features,
+            eps=cfg.norm_eps,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+        )
+        h, new_entries = Attention(cfg, name="attn")(
+            RMSNorm(**norm, name="attn_norm")(x), context, layer_cache
+        )
+        x = x + h
+        x = x + MLP(cfg, name="mlp")(RMSNorm(**norm, name="mlp_norm")(x))
+        return x, new_entries
+
+
+class CausalTransformer(nn.Module):
+    """Llama/Qwen3-style causal decoder; see the module docstring for the parameter layout.
+
+    Call forms (``model.apply(variables, ...)``)::
+
+        logits = model.apply(v, tokens, segment_ids=None, positions=None)   # [B,S,V] float32
+        hidden = model.apply(v, tokens, segment_ids, positions, method="features")   # [B,S,D]
+        logits = model.apply(v, hidden, method="logits")                     # head only
+        cache = model.init_cache(batch, length)
+        logits, cache = model.apply(v, tokens, segment_ids, positions,
+                                    cache=cache, cache_index=index)
+
+    ``segment_ids`` ``[B, S]`` int: 0 is padding, > 0 a document; a token attends to earlier
+    tokens of its own document only (None: all ones). ``positions`` ``[B, S]`` int: rotary
+    positions, restarting at 0 per document (None: ``arange(S)``, or ``cache_index + arange(S)``
+    in a cached call).
+
+    Cached calls: row b's S new keys/values go to slots ``[index_b, index_b + S)``; each slot
+    also stores its token's position (−1 for padding and for empty slots), and a query attends
+    to the filled slots whose position is ≤ its own. Left-padded prefill, rows at different
+    offsets and one compiled shape per (B, S) therefore all work. A cached row holds one
+    sequence: its ``segment_ids`` only tell real tokens (> 0) from padding. Entries that
+    would land outside ``[0, length)`` are not stored (a compiled step cannot raise); callers
+    keep ``index_b + S <= length``.
+
+    Raises:
+        TypeError / ValueError: tokens, segment_ids, positions, cache or cache_index of the
+            wrong dtype or shape, or longer than ``max_seq_len`` (at trace time).
+
+    Example:
+        >>> from dew_pipe import models
+        >>> model = models.build("causal_transformer", vocab_size=8, emb_features=16,
+        ...                      num_layers=1, num_heads=2, mlp_features=32, max_seq_len=4)
+        >>> tokens = jnp.zeros((1, 4), jnp.int32)
+        >>> variables = model.init(jax.random.key(0), tokens)
+        >>> model.apply(variables, tokens).shape
+        (1, 4, 8)
+    """
+
+    config: TransformerConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        dense = nn.initializers.normal(cfg.init_std)
+        self.embed = self.param("embed", dense, (cfg.vocab_size, cfg.emb_features), cfg.param_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = self.param(
+                "lm_head", dense, (cfg.emb_features, cfg.vocab_size), cfg.param_dtype
+            )
+        block = Block
+        if cfg.remat_policy is not None:
+            block = nn.remat(block, policy=cfg.remat_policy, prevent_cse=False)
+        self.layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=cfg.num_layers,
+            unroll=cfg.scan_unroll,
+        )(cfg)
+        self.final_norm = RMSNorm(
+            cfg.emb_features, cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        *,
+        cache: Cache | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, Cache]:
+        """Logits ``[B, S, V]`` float32 (and the updated cache in a cached call)."""
+        out = self.features(tokens, segment_ids, positions, cache=cache, cache_index=cache_index)
+        if cache is None:
+            return self.logits(out)
+        hidden, cache = out
+        return self.logits(hidden), cache
+
+    def features(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        *,
+        cache: Cache | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, Cache]:
+        """Final-normed hidden states ``[B, S, D]`` in ``dtype`` (plus the cache if given)."""
+        cfg = self.config
+        inv_freq = jnp.asarray(cfg.inverse_frequencies())
+        tokens, segment_ids, positions = checks.inputs(cfg, tokens, segment_ids, positions)
+        x = jnp.take(self.embed, tokens, axis=0).astype(cfg.dtype)
+        if cache is None:
+            positions = _default_positions(tokens, positions, None)
+            cos, sin = attention.rotary_angles(positions, inv_freq)
+            context = dict(cos=cos, sin=sin, mask=attention.causal_segment_mask(segment_ids))
+            x, _ = self.layers(x, None, context)
+            return self.final_norm(x)
+        cache_index = checks.cache(cfg, cache, cache_index, tokens.shape)
+        positions = _default_positions(tokens, positions, cache_index)
+        cos, sin = attention.rotary_angles(positions, inv_freq)
+        old, new = attention.cache_mask(cache["positions"], positions, segment_ids, cache_index)
+        context = dict(cos=cos, sin=sin, mask=new, cache_mask=old)
+        x, (keys, values) = self.layers(x, (cache["key"], cache["value"]), context)
+        cache = _write_cache(cache, keys, values, positions, segment_ids, cache_index)
+        return self.final_norm(x), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Output projection of final-normed ``hidden [..., D]`` to float32 logits ``[..., V]``."""
+        cfg = self.config
+        hidden = jnp.asarray(hidden).astype(cfg.dtype)
+        if hidden.shape[-1] != cfg.emb_features:
+            raise ValueError(
+                f"hidden has shape {hidden.shape}; expected last axis emb_features={cfg.emb_features}"
+            )
+        flat = hidden.reshape(-1, cfg.emb_features)
+        if cfg.tie_embeddings:
+            out = jax.lax.dot_general(
+                flat,
+                self.embed.astype(cfg.dtype),
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+        else:
+            out = jnp.dot(flat, self.lm_head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        return out.astype(jnp.float32).reshape(*hidden.shape[:-1], cfg.vocab_size)
+
+    @nn.nowrap
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
+        """An empty cache for ``batch`` rows of ``length`` slots (keys/values in ``dtype``).
+
+        Args:
+            batch: rows.
+            length: slots per row, at most ``max_seq_len``.
+            dtype: key/value dtype; None means the model's compute dtype.
+
+        Returns:
+            ``{"key", "value": zeros [L, B, T, K, d], "positions": full(-1) [B, T] int32}``.
+
+        Raises:
+            ValueError: a non-positive size or ``length > max_seq_len``.
+
+        Example:
+            >>> cache = model.init_cache(2, 16)   # doctest: +SKIP
+        """
+        cfg = self.config
+        for name, value in (("batch", batch), ("length", length)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+                raise ValueError(f"init_cache {name} is {value!r}; expected a positive int")
+        if length > cfg.max_seq_len:
+            raise ValueError(
+                f"init_cache length is {length}; expected at most max_seq_len={cfg.max_seq_len}"
+            )
+        dtype = cfg.dtype if dtype is None else np.dtype(dtype)
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return {
+            "key": jnp.zeros(shape, dtype),
+            "value": jnp.zeros(shape, dtype),
+            "positions": jnp.full((batch, length), -1, jnp.int32),
+        }
+
+    @nn.nowrap
+    def reset_cache(self, cache: Cache, rows: jax.Array) -> Cache:
+        """Marks every slot of the selected rows empty (for a row that takes a new sequence).
+
+        Args:
+            cache: a cache from `init_cache`.
+            rows: ``[B]`` bool, True for the rows to clear.
+
+        Returns:
+            The cache with those rows' positions set to −1 (keys/values are left in place;
+            an empty slot is never attended).
+        """
+        rows = jnp.asarray(rows, bool)
+        positions = jnp.where(rows[:, None], -1, cache["positions"])
+        return {**cache, "positions": positions}
+
+
+def _default_positions(
+    tokens: jax.Array, positions: jax.Array | None, cache_index: jax.Array | None
+) -> jax.Array:
+    if positions is not None:
+        return positions
+    steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    if cache_index is None:
+        return jnp.broadcast_to(steps, tokens.shape)
+    return cache_index[:, None] + steps
+
+
+def _write_cache(
+    cache: Cache,
+    keys: jax.Array,
+    values: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    cache_index: jax.Array,
+) -> Cache:
+    """Stores all layers' new entries ``[L, B, S, K, d]`` at each row's slots in one scatter."""
+    batch, length = positions.shape
+    rows = jnp.arange(batch)[:, None]
+    slots = cache_index[:, None] + jnp.arange(length)[None, :]
+    # Negative indices would wrap around (NumPy semantics); send them past the end instead,
+    # where mode="drop" discards them like any other out-of-range slot.
+    slots = jnp.where(slots < 0, cache["positions"].shape[1], slots)
+    stored = jnp.where(segment_ids > 0, positions, -1).astype(jnp.int32)
+    dtype = cache["key"].dtype
+    return {
+        "key": cache["key"].at[:, rows, slots].set(keys.astype(dtype), mode="drop"),
+        "value": cache["value"].at[:, rows, slots].set(values.astype(dtype), mode="drop"),
+        "positions": cache["positions"].at[rows, slots].set(stored, mode="drop"),
+    }
