@@ -219,3 +219,257 @@ def test_param_dtype_is_respected():
     model = models.build("causal_transformer", **dict(SMALL, param_dtype=jnp.bfloat16))
     variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
     assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype(jnp.bfloat16)}
+
+
+# ---------------------------------------------------------------- cache
+
+CACHE_SLOTS = 16
+
+
+def _alone(forward, variables, sequences):
+    """Each sequence's logits on its own, computed in one packed row (see the packed test)."""
+    width = SMALL["max_seq_len"]
+    tokens, segments, positions = (np.zeros((1, width), np.int32) for _ in range(3))
+    start = 0
+    for doc, seq in enumerate(sequences, 1):
+        end = start + len(seq)
+        tokens[0, start:end], segments[0, start:end] = seq, doc
+        positions[0, start:end] = np.arange(len(seq))
+        start = end
+    assert start <= width
+    logits = np.asarray(forward(variables, tokens, segments, positions))[0]
+    out, start = [], 0
+    for seq in sequences:
+        out.append(logits[start : start + len(seq)])
+        start += len(seq)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cached(small):
+    model, variables, forward = small
+
+    @jax.jit
+    def step(variables, cache, tokens, segments, positions, index):
+        return model.apply(variables, tokens, segments, positions, cache=cache, cache_index=index)
+
+    return model, variables, forward, step
+
+
+def test_prefill_then_decode_equals_full_forward(cached):
+    model, variables, forward, step = cached
+    tokens = _tokens(10, (2, 11))
+    want = np.asarray(forward(variables, tokens))
+    cache = model.init_cache(2, CACHE_SLOTS)
+    ones = np.ones((2, 4), np.int32)
+    logits, cache = step(
+        variables, cache, tokens[:, :4], ones, np.tile(np.arange(4), (2, 1)), np.zeros(2, np.int32)
+    )
+    np.testing.assert_allclose(logits, want[:, :4], atol=1e-5)
+    for t in range(4, 11):
+        pos = np.full((2, 1), t, np.int32)
+        logits, cache = step(
+            variables, cache, tokens[:, t : t + 1], ones[:, :1], pos, np.full(2, t, np.int32)
+        )
+        np.testing.assert_allclose(logits[:, 0], want[:, t], atol=1e-5)
+    assert np.array_equal(cache["positions"][:, :11], np.tile(np.arange(11), (2, 1)))
+    assert (np.asarray(cache["positions"][:, 11:]) == -1).all()
+
+
+def test_left_padded_prompts_equal_each_prompt_alone(cached):
+    model, variables, forward, step = cached
+    short, long_ = _tokens(11, 3), _tokens(12, 4)
+    tail = _tokens(13, (2, 3))
+    prompt = np.zeros((2, 4), np.int32)
+    prompt[0, 1:], prompt[1] = short, long_
+    segments = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
+    positions = np.array([[0, 0, 1, 2], [0, 1, 2, 3]], np.int32)
+    cache = model.init_cache(2, CACHE_SLOTS)
+    first, cache = step(variables, cache, prompt, segments, positions, np.zeros(2, np.int32))
+    got_short, got_long = [np.asarray(first[0, 1:])], [np.asarray(first[1])]
+    lengths = np.array([3, 4])
+    for t in range(3):
+        pos = (lengths + t)[:, None].astype(np.int32)
+        logits, cache = step(
+            variables,
+            cache,
+            tail[:, t : t + 1],
+            np.ones((2, 1), np.int32),
+            pos,
+            np.full(2, 4 + t, np.int32),
+        )
+        got_short.append(np.asarray(logits[0]))
+        got_long.append(np.asarray(logits[1]))
+    want_short, want_long = _alone(
+        forward, variables, [np.r_[short, tail[0]], np.r_[long_, tail[1]]]
+    )
+    np.testing.assert_allclose(np.concatenate(got_short), want_short, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(got_long), want_long, atol=1e-5)
+    assert cache["positions"][0, 0] == -1  # the pad slot stays empty
+
+
+def _call(step, variables, cache, rows):
+    """One cached call; rows = [(tokens, first position, write index)], padded to the width."""
+    width = 4 if any(len(toks) > 1 for toks, _, _ in rows) else 1  # two compiled shapes
+    tokens, segments, positions = (np.zeros((len(rows), width), np.int32) for _ in range(3))
+    index = np.zeros(len(rows), np.int32)
+    for b, (toks, pos, at) in enumerate(rows):
+        tokens[b, : len(toks)], segments[b, : len(toks)] = toks, 1
+        positions[b, : len(toks)] = pos + np.arange(len(toks))
+        index[b] = at
+    logits, cache = step(variables, cache, tokens, segments, positions, index)
+    return [np.asarray(logits[b, : len(toks)]) for b, (toks, _, _) in enumerate(rows)], cache
+
+
+def test_rows_at_different_offsets_continuous_batching(cached):
+    """Row 1 joins while row 0 decodes; both calls shapes ([2, 4] and [2, 1]) are reused."""
+    model, variables, forward, step = cached
+    a, b = _tokens(14, 8), _tokens(15, 6)
+    cache = model.init_cache(2, CACHE_SLOTS)
+    got_a, got_b = [], []
+    out, cache = _call(step, variables, cache, [(a[:4], 0, 0), ([], 0, 0)])
+    got_a += out[0:1]
+    out, cache = _call(step, variables, cache, [(a[4:5], 4, 4), ([], 0, 0)])
+    got_a += out[0:1]
+    # Row 0 decodes one token (the rest of its row is padding) while row 1 prefills.
+    out, cache = _call(step, variables, cache, [(a[5:6], 5, 5), (b[:4], 0, 0)])
+    got_a, got_b = got_a + out[0:1], got_b + out[1:2]
+    for t in range(2):
+        out, cache = _call(
+            step,
+            variables,
+            cache,
+            [(a[6 + t : 7 + t], 6 + t, 6 + t), (b[4 + t : 5 + t], 4 + t, 4 + t)],
+        )
+        got_a, got_b = got_a + out[0:1], got_b + out[1:2]
+    want_a, want_b = _alone(forward, variables, [a, b])
+    np.testing.assert_allclose(np.concatenate(got_a), want_a, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(got_b), want_b, atol=1e-5)
+
+
+def test_reset_cache_lets_a_row_take_a_new_sequence(cached):
+    model, variables, forward, step = cached
+    old, new = _tokens(16, 3), _tokens(17, 4)
+    cache = model.init_cache(2, CACHE_SLOTS)
+    # The old sequence sat three slots in (left padding): slots 3..5 hold positions 0..2.
+    padded = np.zeros((2, 6), np.int32)
+    padded[0, 3:] = old
+    segments = np.array([[0, 0, 0, 1, 1, 1], [0] * 6], np.int32)
+    positions = np.array([[0, 0, 0, 0, 1, 2], [0] * 6], np.int32)
+    _, stale = step(variables, cache, padded, segments, positions, np.zeros(2, np.int32))
+    (want,) = _alone(forward, variables, [new])
+    fresh = model.reset_cache(stale, np.array([True, False]))
+    assert (np.asarray(fresh["positions"][0]) == -1).all()
+    assert np.array_equal(fresh["positions"][1], stale["positions"][1])
+    got, _ = _call(step, variables, fresh, [(new, 0, 0), ([], 0, 0)])
+    np.testing.assert_allclose(got[0], want, atol=1e-5)
+    # Without the reset, slots 4 and 5 (positions 1, 2) leak into the new sequence.
+    leaked, _ = _call(step, variables, stale, [(new, 0, 0), ([], 0, 0)])
+    assert np.abs(leaked[0][1:] - want[1:]).max() > 1e-2
+
+
+def test_padding_step_and_out_of_range_writes_leave_real_slots_alone(cached):
+    model, variables, _, step = cached
+    tokens = _tokens(18, (2, 4))
+    cache = model.init_cache(2, CACHE_SLOTS)
+    ones = np.ones((2, 4), np.int32)
+    pos = np.tile(np.arange(4, dtype=np.int32), (2, 1))
+    _, cache = step(variables, cache, tokens, ones, pos, np.zeros(2, np.int32))
+    before = jax.tree.map(np.asarray, cache)
+    # Row 0 finished (segment 0 at its next slot); row 1 writes past the end of the cache.
+    _, after = step(
+        variables,
+        cache,
+        tokens,
+        np.array([[0] * 4, [1] * 4], np.int32),
+        pos,
+        np.array([4, CACHE_SLOTS - 2], np.int32),
+    )
+    after = jax.tree.map(np.asarray, after)
+    np.testing.assert_array_equal(after["positions"][0, :8], [0, 1, 2, 3, -1, -1, -1, -1])
+    np.testing.assert_array_equal(after["key"][:, 0, :4], before["key"][:, 0, :4])
+    np.testing.assert_array_equal(after["positions"][1, :4], [0, 1, 2, 3])  # nothing wrapped
+    np.testing.assert_array_equal(after["key"][:, 1, :4], before["key"][:, 1, :4])
+    np.testing.assert_array_equal(after["positions"][1, -2:], [0, 1])
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            dict(num_heads=3, num_kv_heads=None),
+            "emb_features \\(32\\) is not divisible by num_heads \\(3\\)",
+        ),
+        (dict(num_kv_heads=3), "num_kv_heads \\(3\\) must divide num_heads \\(4\\)"),
+        (dict(head_dim=7), "head_dim is 7"),
+        (dict(num_layers=0), "num_layers is 0"),
+        (dict(vocab_size=2.5), "vocab_size is 2.5"),
+        (dict(rope_theta=-1.0), "rope_theta is -1.0"),
+        (dict(dtype=jnp.int32), "dtype is int32"),
+        (dict(remat="bogus"), "remat is 'bogus'"),
+        (dict(rope_scaling=dict(kind="yarn", factor=2.0)), "rope_scaling.kind is 'yarn'"),
+        (dict(rope_scaling=dict(kind="linear", factor=0.0)), "rope_scaling.factor is 0.0"),
+    ],
+)
+def test_bad_config_values_name_the_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        models.build("causal_transformer", **dict(SMALL, **change))
+
+
+def test_build_refuses_unknown_names_and_options():
+    with pytest.raises(ValueError, match="model name 'gpt' is unknown"):
+        models.build("gpt")
+    with pytest.raises(TypeError, match="unknown option\\(s\\) \\['hidden_size'\\]"):
+        models.build("causal_transformer", **dict(SMALL, hidden_size=3))
+    missing = {k: v for k, v in SMALL.items() if k != "max_seq_len"}
+    with pytest.raises(TypeError, match="missing required option\\(s\\) \\['max_seq_len'\\]"):
+        models.build("causal_transformer", **missing)
+
+
+def test_bad_inputs_name_the_field(cached):
+    model, variables, _, _ = cached
+    apply = model.apply
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(TypeError, match="tokens has dtype float32"):
+        jax.eval_shape(apply, variables, jnp.zeros((1, 4), jnp.float32))
+    with pytest.raises(ValueError, match="tokens has shape \\(4,\\)"):
+        jax.eval_shape(apply, variables, jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="sequence length 25; expected at most max_seq_len=24"):
+        jax.eval_shape(apply, variables, jnp.zeros((1, 25), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids has shape \\(1, 3\\)"):
+        jax.eval_shape(apply, variables, tokens, jnp.ones((1, 3), jnp.int32))
+    with pytest.raises(TypeError, match="positions has dtype float32"):
+        jax.eval_shape(apply, variables, tokens, None, jnp.ones((1, 4), jnp.float32))
+    with pytest.raises(ValueError, match="expected last axis emb_features=32"):
+        jax.eval_shape(lambda v: apply(v, jnp.zeros((2, 5)), method="logits"), variables)
+
+
+def test_bad_cache_arguments_name_the_field(cached):
+    model, variables, _, _ = cached
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    cache = model.init_cache(2, 8)
+
+    def call(**kwargs):
+        return jax.eval_shape(lambda v: model.apply(v, tokens, **kwargs), variables)
+
+    with pytest.raises(ValueError, match="cache_index is None"):
+        call(cache=cache)
+    with pytest.raises(ValueError, match="cache_index has shape \\(3,\\)"):
+        call(cache=cache, cache_index=jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="cache\\['key'\\] has shape \\(2, 3, 8, 2, 8\\)"):
+        call(cache=model.init_cache(3, 8), cache_index=0)
+    with pytest.raises(ValueError, match="the cache holds only 2 slots"):
+        call(cache=model.init_cache(2, 2), cache_index=0)
+    with pytest.raises(ValueError, match="cache is \\['key'\\]"):
+        call(cache={"key": cache["key"]}, cache_index=0)
+    with pytest.raises(
+        ValueError, match="init_cache length is 25; expected at most max_seq_len=24"
+    ):
+        model.init_cache(1, 25)
+    with pytest.raises(ValueError, match="init_cache batch is 0"):
+        model.init_cache(0, 4)
+    logits, new = call(cache=cache, cache_index=3)  # a scalar index serves every row
+    assert logits.shape == (2, 4, VOCAB) and new["positions"].shape == (2, 8)
