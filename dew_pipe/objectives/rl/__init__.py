@@ -1,1 +1,39 @@
-"""dew_pipe/objectives/rl"""
+"""Reinforcement-learning objectives, rollouts and the session records they train on.
+
+Names resolve lazily (module ``__getattr__``) so importing the package costs nothing until a
+name is used. To export a new name, add it to ``_LAZY`` with the module that defines it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    # sessions and packing
+    "Call": "dew_pipe.objectives.rl.sessions",
+    "Session": "dew_pipe.objectives.rl.sessions",
+    "SessionSource": "dew_pipe.objectives.rl.sessions",
+    "Status": "dew_pipe.objectives.rl.sessions",
+    "Task": "dew_pipe.objectives.rl.sessions",
+    "pack": "dew_pipe.objectives.rl.packing",
+    "chain_lengths": "dew_pipe.objectives.rl.packing",
+    "rows_needed": "dew_pipe.objectives.rl.packing",
+    "session_metrics": "dew_pipe.objectives.rl.session_stats",
+    "compute_advantages": "dew_pipe.objectives.rl.advantages",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dew_pipe.objectives.rl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,460 @@
+"""Pack sessions into fixed ``[rows, width]`` training rows.
+
+**Chains.** A session's calls are joined into chains: call k + 1 extends call k's chain only
+when its prompt ids start with every id of the chain so far, sampled ids included, so the
+chain is exactly the context the engine read for its last call followed by what it drew.
+Any other call (a prompt that drops, edits or re-renders earlier ids) starts a new chain.
+A prompt that merely starts with the previous *prompt* never merges: that would splice
+sampled ids into a context the model did not see.
+
+**Rows.** Chains are placed first-fit decreasing: longest first, each into the first row with
+room, at that row's end. Each row holds its chains back to back, each a segment of its own
+(``text_segment_ids`` 1, 2, ... in column order, 0 = padding) with positions restarting at 0,
+so attention and rotary positions never cross chains. The order chains are placed in has no
+meaning for training, since every column carries its session and call; sorting by length is
+what gets the skewed length mixes of agentic runs to a real-token share above 97% (see
+``benchmarks/packing.py``), where plain first-fit in arrival order leaves the tail of every
+near-width row empty.
+
+**Which sessions train.** COMPLETED and AGENT_ERROR sessions train on their reward.
+INFRA_ERROR and CANCELLED sessions never train: no rows, no part in any baseline. TRUNCATED
+sessions follow ``truncation``: ``"mask"`` treats them like infrastructure failures,
+``"score"`` trains them on their reward, ``"zero"`` trains them on reward 0. Advantages are
+computed over the training sessions of each (task, group) by the named estimator
+(:mod:`dew_pipe.objectives.rl.advantages`).
+
+**Columns** (all ``[rows, width]`` unless noted; "sampled" = positions of sampled ids):
+
+==================== ======= ============================================================
+column               dtype   value
+==================== ======= ============================================================
+input_ids            int32   the chains' ids; 0 on padding
+text_segment_ids     int32   chain number within the row, from 1; 0 on padding
+text_positions       int32   position within the chain, from 0; 0 on padding
+response_mask        int32   1 on sampled ids (EOS included), else 0
+old_log_probs        float32 raw log-probs when the call recorded them, else behavior; sampled
+behavior_log_probs   float32 the engine's sampling log-probs; on sampled ids, else 0
+advantages           float32 the session's advantage on every id of its chains, else 0
+versions             int32   the call's policy version on sampled ids, else -1
+session_index        int32   index of the session in ``sessions`` on sampled ids, else -1
+call_index           int32   index of the call in its session on sampled ids, else -1
+session_weights      float32 1 / (sampled ids of the session) on every id of its chains
+routed_experts       engine  ``[rows, width, layers, top_k]`` expert ids, 0 where not routed
+routed               bool    true where a call's routing record covers the id
+support_ids          int32   ``[rows, support_capacity]`` kept ids of each sampled id, -1 pad
+support_columns      int32   ``[rows, support_capacity]`` column of the sampled id, -1 pad
+==================== ======= ============================================================
+
+``session_weights`` makes ``aggregation="session-mean"`` a batch-level reduction: with m the
+response mask, w the weights and l the per-token loss, ``sum(l * m * w)`` is the sum over
+sessions of each session's token mean and ``sum(m * w)`` is the number of training sessions
+with at least one sampled id, so their ratio is the mean over sessions of each session's
+token mean. A session with no sampled id at all gets weight 0.
+
+Routing columns appear when any call of any session recorded ``routed_experts`` (every such
+record must share layers, top_k and dtype). A call's record covers the first ``n`` ids of its
+own context-plus-draw; within a chain a later call's record replaces an earlier one where
+both cover an id, as verl keeps the last turn's routing. Support columns appear when any call
+recorded a ``support``; ``support_capacity`` is then required so every batch has one shape.
+Each row lists the supports of its sampled ids back to back in column order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dew_pipe.objectives.rl.advantages import ESTIMATORS, compute_advantages
+from dew_pipe.objectives.rl.sessions import Call, Session, Status
+
+__all__ = ["TRUNCATIONS", "chain_lengths", "pack", "rows_needed", "session_chains"]
+
+TRUNCATIONS = ("mask", "score", "zero")
+"""How ``pack`` treats TRUNCATED sessions: no training, their reward, or reward 0."""
+
+_ALWAYS = (Status.COMPLETED, Status.AGENT_ERROR)
+_NEVER = (Status.INFRA_ERROR, Status.CANCELLED)
+
+
+def session_chains(calls: Sequence[Call]) -> list[list[int]]:
+    """Split calls into strict chains: lists of call indices, in submission order.
+
+    Args:
+        calls: one session's calls.
+
+    Returns:
+        The chains; each chain's ids are its last call's prompt followed by its sampled ids.
+
+    Example:
+        >>> a = Call([1, 2], [3], [-0.1], "stop", 0)
+        >>> b = Call([1, 2, 3, 9], [4], [-0.2], "stop", 0)   # extends a: merges
+        >>> c = Call([1, 2, 9], [5], [-0.3], "stop", 0)      # drops a's draw: new chain
+        >>> session_chains([a, b, c])
+        [[0, 1], [2]]
+    """
+    chains: list[list[int]] = []
+    for index, call in enumerate(calls):
+        if chains and _extends(call, calls[chains[-1][-1]]):
+            chains[-1].append(index)
+        else:
+            chains.append([index])
+    return chains
+
+
+def _extends(call: Call, previous: Call) -> bool:
+    """True when ``call``'s prompt starts with ``previous``'s prompt and sampled ids."""
+    p, s = previous.prompt_ids.size, previous.sampled_ids.size
+    prompt = call.prompt_ids
+    return (
+        prompt.size >= p + s
+        and np.array_equal(prompt[:p], previous.prompt_ids)
+        and np.array_equal(prompt[p : p + s], previous.sampled_ids)
+    )
+
+
+def _check_common(sessions: Any, width: Any, truncation: Any) -> int:
+    if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
+        raise TypeError(f"sessions: expected a sequence of Session, got {type(sessions).__name__}")
+    for i, session in enumerate(sessions):
+        if not isinstance(session, Session):
+            raise TypeError(f"sessions[{i}]: expected a Session, got {type(session).__name__}")
+    if isinstance(width, bool) or not isinstance(width, int | np.integer) or width < 1:
+        raise ValueError(f"width: expected a positive int, got {width!r}")
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation: expected one of {list(TRUNCATIONS)}, got {truncation!r}")
+    return int(width)
+
+
+def _trains(session: Session, truncation: str) -> bool:
+    if session.status in _ALWAYS:
+        return True
+    if session.status in _NEVER:
+        return False
+    return truncation != "mask"
+
+
+def _plan(
+    sessions: Sequence[Session], width: int, truncation: str
+) -> tuple[list[int], list[tuple[int, list[int]]], np.ndarray]:
+    """Training sessions, their chains (session, call indices) and the chain lengths."""
+    training = [i for i, s in enumerate(sessions) if _trains(s, truncation)]
+    chains: list[tuple[int, list[int]]] = []
+    lengths: list[int] = []
+    for i in training:
+        calls = sessions[i].calls
+        for chain in session_chains(calls):
+            length = calls[chain[-1]].length
+            if length > width:
+                raise ValueError(
+                    f"sessions[{i}] ({sessions[i].describe()}): calls {chain[0]}..{chain[-1]} "
+                    f"form a chain of {length} ids, longer than width {width}"
+                )
+            chains.append((i, chain))
+            lengths.append(length)
+    return training, chains, np.asarray(lengths, dtype=np.int64)
+
+
+def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "mask") -> np.ndarray:
+    """Lengths of the chains :func:`pack` would place, in session then call order.
+
+    Args:
+        sessions: the sessions of a batch.
+        width: the row width; a longer chain raises as it would in ``pack``.
+        truncation: ``"mask"``, ``"score"`` or ``"zero"``; under ``"mask"`` TRUNCATED
+            sessions take no rows.
+
+    Returns:
+        ``[chains]`` int64 lengths.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or a chain longer than ``width``.
+
+    Example:
+        >>> s = Session(0, 0, 0, 0, [Call([1, 2], [3], [-0.1], "stop", 0)], "COMPLETED", 1.0)
+        >>> chain_lengths([s], width=8).tolist()
+        [3]
+    """
+    width = _check_common(sessions, width, truncation)
+    return _plan(sessions, width, truncation)[2]
+
+
+def _place(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """First-fit decreasing: (row, offset) of each chain and the number of rows used."""
+    n = lengths.size
+    row = np.zeros(n, np.int64)
+    offset = np.zeros(n, np.int64)
+    free = np.zeros(max(n, 1), np.int64)  # free room of each open row
+    used = 0
+    for i in np.argsort(-lengths, kind="stable"):
+        length = lengths[i]
+        fits = free[:used] >= length
+        r = int(fits.argmax()) if used and fits.any() else used
+        if r == used:
+            free[used] = width
+            used += 1
+        row[i] = r
+        offset[i] = width - free[r]
+        free[r] -= length
+    return row, offset, used
+
+
+def rows_needed(lengths: Any, width: int) -> int:
+    """How many rows of ``width`` :func:`pack` fills with chains of these lengths.
+
+    Args:
+        lengths: chain lengths, as :func:`chain_lengths` returns them.
+        width: the row width.
+
+    Returns:
+        The number of rows; 0 for no chains.
+
+    Raises:
+        ValueError: a length is not in [1, width].
+
+    Example:
+        >>> rows_needed([5, 3, 4, 4], width=8)
+        2
+    """
+    if isinstance(width, bool) or not isinstance(width, int | np.integer) or width < 1:
+        raise ValueError(f"width: expected a positive int, got {width!r}")
+    array = np.asarray(lengths)
+    if array.size == 0:
+        return 0
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"lengths: expected a 1-D integer array, got {array.dtype} {array.shape}")
+    if array.min() < 1 or array.max() > width:
+        raise ValueError(
+            f"lengths: expected values in [1, {width}], got {array.min()}..{array.max()}"
+        )
+    return _place(array.astype(np.int64), int(width))[2]
+
+
+def _rewards(sessions: Sequence[Session], training: list[int], truncation: str) -> np.ndarray:
+    rewards = np.zeros(len(training), np.float64)
+    for k, i in enumerate(training):
+        session = sessions[i]
+        if session.status is Status.TRUNCATED and truncation == "zero":
+            continue
+        if session.reward is None:
+            raise ValueError(
+                f"sessions[{i}] ({session.describe()}): reward is None, but a session that "
+                f"trains needs its verifier reward"
+            )
+        rewards[k] = session.reward
+    return rewards
+
+
+def _group_ids(sessions: Sequence[Session], training: list[int]) -> np.ndarray:
+    keys: dict[tuple[Any, int], int] = {}
+    return np.asarray(
+        [keys.setdefault((sessions[i].task, sessions[i].group), len(keys)) for i in training],
+        dtype=np.int64,
+    )
+
+
+def _check_counts(rows: Any, support_capacity: Any, estimator: Any) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: expected one of {sorted(ESTIMATORS)}, got {estimator!r}")
+    for name, value, low in (("rows", rows, 0), ("support_capacity", support_capacity, 1)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low
+        ):
+            raise ValueError(f"{name}: expected None or an int >= {low}, got {value!r}")
+
+
+def pack(
+    sessions: Sequence[Session],
+    width: int,
+    rows: int | None = None,
+    estimator: str = "group",
+    truncation: str = "mask",
+    support_capacity: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Build one packed training batch from sessions (see the module docstring for columns).
+
+    Args:
+        sessions: the batch's sessions; ``session_index`` refers to positions in this list.
+        width: ids per row (``GRPOObjective(seq_len=width - 1)``).
+        rows: rows of the batch; None uses as many as the chains need. Unused rows are
+            all padding.
+        estimator: ``"group"`` (GRPO), ``"mean"`` (Dr.GRPO) or ``"rloo"``.
+        truncation: ``"mask"``, ``"score"`` or ``"zero"`` for TRUNCATED sessions.
+        support_capacity: entries per row of ``support_ids``/``support_columns``; required
+            when any call recorded a support. Given without any support, the columns are
+            still written (all -1), so a stream keeps one shape.
+
+    Returns:
+        ``{name: array}`` with every column ``[rows, width]`` (routing
+        ``[rows, width, layers, top_k]``, support ``[rows, support_capacity]``).
+
+    Raises:
+        TypeError: a session is not a Session.
+        ValueError: bad arguments; a chain longer than ``width`` (names the session); fewer
+            ``rows`` than the chains need (names the rows needed); a training session
+            without a reward; support without ``support_capacity`` or overflowing it (names
+            the row and the capacity needed); routing records of different shapes.
+
+    Example:
+        >>> call = Call([5, 6], [7, 2], [-0.2, -0.1], "stop", version=3)
+        >>> a = Session(0, 0, 0, 0, [call], "COMPLETED", reward=1.0)
+        >>> b = Session(0, 0, 1, 0, [call], "COMPLETED", reward=0.0)
+        >>> batch = pack([a, b], width=8)
+        >>> batch["input_ids"].tolist()
+        [[5, 6, 7, 2, 5, 6, 7, 2]]
+        >>> batch["advantages"][0, [0, 4]].astype(float).round(4).tolist()
+        [0.7071, -0.7071]
+    """
+    width = _check_common(sessions, width, truncation)
+    _check_counts(rows, support_capacity, estimator)
+    routing = _routing_spec(sessions)
+    supported = any(c.support is not None for s in sessions for c in s.calls)
+    if supported and support_capacity is None:
+        raise ValueError(
+            "support_capacity: calls recorded a support, so a capacity is required "
+            "(top-k times the sampled ids a row holds)"
+        )
+    training, chains, lengths = _plan(sessions, width, truncation)
+    rewards = _rewards(sessions, training, truncation)
+    advantages = compute_advantages(rewards, _group_ids(sessions, training), estimator)
+    row, offset, needed = _place(lengths, width)
+    if rows is None:
+        rows = needed
+    elif needed > rows:
+        raise ValueError(
+            f"rows: the chains of {len(training)} training sessions need {needed} rows of "
+            f"width {width}, but rows={rows}"
+        )
+    placed = _Placed(chains, row, offset, int(rows), width)
+    by_session = dict(zip(training, advantages.tolist(), strict=True))
+    batch = _core(sessions, placed, by_session)
+    if routing is not None:
+        batch.update(_routing(sessions, placed, *routing))
+    if support_capacity is not None:
+        batch.update(_support(sessions, placed, int(support_capacity)))
+    return batch
+
+
+class _Placed:
+    """Where each chain landed: (session, call indices), row, offset; the batch shape."""
+
+    def __init__(self, chains, row, offset, rows: int, width: int) -> None:
+        self.chains: list[tuple[int, list[int]]] = chains
+        self.row = row.tolist()
+        self.offset = offset.tolist()
+        self.rows = rows
+        self.width = width
+
+    def __iter__(self):
+        return iter(zip(self.chains, self.row, self.offset, strict=True))
+
+
+def _core(
+    sessions: Sequence[Session], placed: _Placed, advantage: dict[int, float]
+) -> dict[str, np.ndarray]:
+    shape = (placed.rows, placed.width)
+    ids, segments, positions, mask, versions, session_index, call_index = (
+        np.zeros(shape, np.int32) for _ in range(7)
+    )
+    for column in (versions, session_index, call_index):
+        column.fill(-1)
+    old, behavior, advantages, weights = (np.zeros(shape, np.float32) for _ in range(4))
+    sampled = {i: sum(c.sampled_ids.size for c in sessions[i].calls) for i in advantage}
+    chains_in_row = [0] * placed.rows
+    arange = np.arange(placed.width, dtype=np.int32)
+    for (i, chain), r, o in sorted(placed, key=lambda item: (item[1], item[2])):
+        calls = sessions[i].calls
+        last = calls[chain[-1]]
+        end = o + last.length
+        ids[r, o : o + last.prompt_ids.size] = last.prompt_ids
+        ids[r, o + last.prompt_ids.size : end] = last.sampled_ids
+        chains_in_row[r] += 1
+        segments[r, o:end] = chains_in_row[r]
+        positions[r, o:end] = arange[: end - o]
+        advantages[r, o:end] = advantage[i]
+        weights[r, o:end] = 1.0 / sampled[i] if sampled[i] else 0.0
+        for j in chain:
+            call = calls[j]
+            start = o + call.prompt_ids.size
+            stop = start + call.sampled_ids.size
+            mask[r, start:stop] = 1
+            behavior[r, start:stop] = call.behavior_log_probs
+            old[r, start:stop] = call.old_log_probs
+            versions[r, start:stop] = call.version
+            session_index[r, start:stop] = i
+            call_index[r, start:stop] = j
+    return {
+        "input_ids": ids,
+        "text_segment_ids": segments,
+        "text_positions": positions,
+        "response_mask": mask,
+        "old_log_probs": old,
+        "behavior_log_probs": behavior,
+        "advantages": advantages,
+        "versions": versions,
+        "session_index": session_index,
+        "call_index": call_index,
+        "session_weights": weights,
+    }
+
+
+def _routing_spec(sessions: Sequence[Session]) -> tuple[tuple[int, int], np.dtype] | None:
+    """(layers, top_k) and dtype shared by every routing record; None when none recorded."""
+    spec = None
+    for i, session in enumerate(sessions):
+        for j, call in enumerate(session.calls):
+            if call.routed_experts is None:
+                continue
+            this = (call.routed_experts.shape[1:], call.routed_experts.dtype)
+            if spec is None:
+                spec, first = this, (i, j)
+            elif this != spec:
+                raise ValueError(
+                    f"sessions[{i}].calls[{j}].routed_experts: expected [n, {spec[0][0]}, "
+                    f"{spec[0][1]}] {spec[1]} like sessions[{first[0]}].calls[{first[1]}], "
+                    f"got [n, {this[0][0]}, {this[0][1]}] {this[1]}"
+                )
+    return spec
+
+
+def _routing(
+    sessions: Sequence[Session], placed: _Placed, shape: tuple[int, int], dtype: np.dtype
+) -> dict[str, np.ndarray]:
+    experts = np.zeros((placed.rows, placed.width, *shape), dtype)
+    routed = np.zeros((placed.rows, placed.width), np.bool_)
+    for (i, chain), r, o in placed:
+        for j in chain:  # later calls overwrite earlier ones where both cover an id
+            record = sessions[i].calls[j].routed_experts
+            if record is not None:
+                experts[r, o : o + record.shape[0]] = record
+                routed[r, o : o + record.shape[0]] = True
+    return {"routed_experts": experts, "routed": routed}
+
+
+def _support(sessions: Sequence[Session], placed: _Placed, capacity: int) -> dict[str, np.ndarray]:
+    support_ids = np.full((placed.rows, capacity), -1, np.int32)
+    support_columns = np.full((placed.rows, capacity), -1, np.int32)
+    per_row: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(placed.rows)]
+    for (i, chain), r, o in placed:
+        for j in chain:
+            call = sessions[i].calls[j]
+            if call.support is not None:
+                start = o + call.prompt_ids.size
+                per_row[r].extend((start + k, kept) for k, kept in enumerate(call.support))
+    sizes = [sum(kept.size for _, kept in entries) for entries in per_row]
+    if sizes and max(sizes) > capacity:
+        worst = int(np.argmax(sizes))
+        raise ValueError(
+            f"support_capacity: row {worst} holds {sizes[worst]} support ids but "
+            f"support_capacity={capacity}; this batch needs support_capacity >= {max(sizes)}"
+        )
+    for r, entries in enumerate(per_row):
+        if not entries:
+            continue
+        entries.sort(key=lambda entry: entry[0])
+        kept = np.concatenate([k for _, k in entries])
+        columns = np.repeat([c for c, _ in entries], [k.size for _, k in entries])
+        support_ids[r, : kept.size] = kept
+        support_columns[r, : kept.size] = columns
+    return {"support_ids": support_ids, "support_columns": support_columns}

@@ -1,0 +1,468 @@
+"""pack, chain_lengths and rows_needed: chains, placement, columns, status rules, errors."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dew_pipe.objectives.rl.sessions import (
+    Call,
+    Session,
+    Status,
+    chain_lengths,
+    pack,
+    rows_needed,
+)
+
+CORE = {
+    "input_ids": np.int32,
+    "text_segment_ids": np.int32,
+    "text_positions": np.int32,
+    "response_mask": np.int32,
+    "old_log_probs": np.float32,
+    "behavior_log_probs": np.float32,
+    "advantages": np.float32,
+    "versions": np.int32,
+    "session_index": np.int32,
+    "call_index": np.int32,
+    "session_weights": np.float32,
+}
+
+
+def call(prompt, sampled, version=0, raw=None, **kw):
+    behavior = [-0.5 - 0.01 * k for k in range(len(sampled))]
+    return Call(prompt, sampled, behavior, "stop", version, log_probs=raw, **kw)
+
+
+def session(calls, reward=1.0, status="COMPLETED", task=0, group=0, sample=0):
+    return Session(task, group, sample, 0, calls, status, reward)
+
+
+# ---------------------------------------------------------------- reference implementations
+
+
+def reference_advantages(rewards, groups, estimator):
+    """Plain-Python estimators, written from their definitions (verl's conventions)."""
+    members = {}
+    for k, g in enumerate(groups):
+        members.setdefault(g, []).append(k)
+    out = [0.0] * len(rewards)
+    for ks in members.values():
+        values = [rewards[k] for k in ks]
+        for k in ks:
+            if len(ks) == 1:
+                out[k] = rewards[k] / (1 + 1e-6) if estimator == "group" else rewards[k]
+            elif estimator == "group":
+                mean = statistics.fmean(values)
+                out[k] = (rewards[k] - mean) / (statistics.stdev(values) + 1e-6)
+            elif estimator == "mean":
+                out[k] = rewards[k] - statistics.fmean(values)
+            else:
+                others = [rewards[m] for m in ks if m != k]
+                out[k] = rewards[k] - statistics.fmean(others)
+    return out
+
+
+def trains(s, truncation):
+    if s.status in (Status.COMPLETED, Status.AGENT_ERROR):
+        return True
+    return s.status is Status.TRUNCATED and truncation != "mask"
+
+
+# ------------------------------------------------------------------ random sessions
+
+
+@st.composite
+def sessions_strategy(draw, max_sessions=7, with_extras=False, min_sampled=0):
+    """Sessions whose intended chain structure is known: returns (sessions, chains)."""
+    ids = st.integers(0, 40)
+    out, structure = [], []
+    for index in range(draw(st.integers(0, max_sessions))):
+        calls, chains = [], []
+        for k in range(draw(st.integers(0, 4))):
+            sampled = draw(st.lists(ids, min_size=min_sampled, max_size=5))
+            previous = calls[-1] if calls else None
+            mode = draw(st.sampled_from(["extend", "new", "prompt_prefix"])) if calls else "new"
+            if mode == "extend":
+                between = draw(st.lists(ids, max_size=3))
+                prompt = [*previous.prompt_ids, *previous.sampled_ids, *between]
+            elif mode == "prompt_prefix" and previous.sampled_ids.size:
+                # starts with the previous prompt but not with its draw: must not merge
+                wrong = [(int(previous.sampled_ids[0]) + 1) % 41]
+                prompt = [*previous.prompt_ids, *wrong, *draw(st.lists(ids, max_size=2))]
+            else:
+                first = 41 + len(chains)  # a first id no earlier chain has: cannot extend
+                prompt = [first, *draw(st.lists(ids, max_size=4))]
+                mode = "new"
+            if mode == "extend":
+                chains[-1].append(k)
+            else:
+                chains.append([k])
+            extras = {}
+            if with_extras and draw(st.booleans()):
+                n = len(prompt) + len(sampled) - draw(st.integers(0, 1))
+                if n >= 1:
+                    extras["routed_experts"] = np.full((n, 2, 2), 10 * index + k, np.int16)
+            if with_extras and draw(st.booleans()):
+                extras["support"] = [[s, 41 + s] for s in sampled]
+            raw = draw(st.one_of(st.none(), st.just([-0.25 * (m + 1) for m in sampled])))
+            version = draw(st.integers(0, 3))
+            calls.append(call(prompt, sampled, version, raw, **extras))
+        status = draw(st.sampled_from(list(Status)))
+        reward = draw(st.one_of(st.floats(-2, 2, allow_nan=False), st.sampled_from([0.0, 1.0])))
+        out.append(
+            Session(
+                draw(st.integers(0, 2)), draw(st.integers(0, 1)), index, 0, calls, status, reward
+            )
+        )
+        structure.append(chains)
+    return out, structure
+
+
+def unpack(batch, n_sessions):
+    """Recover, per (session, call), sampled ids, likelihoods, versions and prompt ids."""
+    found = {}
+    rows, _ = batch["input_ids"].shape
+    for r in range(rows):
+        sampled = np.flatnonzero(batch["response_mask"][r])
+        for c in sampled:
+            key = (int(batch["session_index"][r, c]), int(batch["call_index"][r, c]))
+            found.setdefault(key, []).append((r, c))
+    calls = {}
+    for key, places in found.items():
+        r = places[0][0]
+        columns = [c for _, c in places]
+        first = columns[0]
+        segment = batch["text_segment_ids"][r]
+        start = int(np.flatnonzero(segment == segment[first])[0])
+        calls[key] = {
+            "prompt": batch["input_ids"][r, start:first],
+            "sampled": batch["input_ids"][r, columns],
+            "behavior": batch["behavior_log_probs"][r, columns],
+            "old": batch["old_log_probs"][r, columns],
+            "versions": batch["versions"][r, columns],
+            "rows": {row for row, _ in places},
+        }
+    return calls
+
+
+# ------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=sessions_strategy(min_sampled=1),
+    extra=st.integers(0, 12),
+    truncation=st.sampled_from(["mask", "score", "zero"]),
+)
+def test_unpacking_recovers_every_call_exactly(data, extra, truncation):
+    sessions, _ = data
+    width = max([c.length for s in sessions for c in s.calls], default=1) + extra
+    batch = pack(sessions, width, truncation=truncation)
+    calls = unpack(batch, len(sessions))
+    expected = {
+        (i, j) for i, s in enumerate(sessions) if trains(s, truncation) for j in range(len(s.calls))
+    }
+    assert set(calls) == expected
+    for (i, j), got in calls.items():
+        want = sessions[i].calls[j]
+        np.testing.assert_array_equal(got["prompt"], want.prompt_ids)
+        np.testing.assert_array_equal(got["sampled"], want.sampled_ids)
+        np.testing.assert_array_equal(got["behavior"], want.behavior_log_probs)
+        raw = want.behavior_log_probs if want.log_probs is None else want.log_probs
+        np.testing.assert_array_equal(got["old"], raw)
+        assert set(got["versions"].tolist()) == {want.version}
+        assert len(got["rows"]) == 1  # a call never straddles rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=sessions_strategy(),
+    extra=st.integers(0, 12),
+    truncation=st.sampled_from(["mask", "score", "zero"]),
+)
+def test_rows_needed_agrees_with_pack(data, extra, truncation):
+    sessions, structure = data
+    width = max([c.length for s in sessions for c in s.calls], default=1) + extra
+    lengths = chain_lengths(sessions, width, truncation=truncation)
+    expected = [
+        sessions[i].calls[chain[-1]].length
+        for i, chains in enumerate(structure)
+        if trains(sessions[i], truncation)
+        for chain in chains
+    ]
+    assert lengths.tolist() == expected
+    needed = rows_needed(lengths, width)
+    batch = pack(sessions, width, truncation=truncation)
+    assert batch["input_ids"].shape == (needed, width)
+    assert np.count_nonzero(batch["text_segment_ids"]) == sum(expected)
+    # first-fit: no two rows could have shared one row
+    used = np.count_nonzero(batch["text_segment_ids"], axis=1)
+    for a in range(needed):
+        for b in range(a + 1, needed):
+            assert used[a] + used[b] > width
+    if needed:
+        with pytest.raises(ValueError, match=f"need {needed} rows"):
+            pack(sessions, width, rows=needed - 1, truncation=truncation)
+    assert pack(sessions, width, rows=needed + 1, truncation=truncation)["input_ids"].shape == (
+        needed + 1,
+        width,
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=sessions_strategy(),
+    extra=st.integers(0, 6),
+    truncation=st.sampled_from(["mask", "score", "zero"]),
+    estimator=st.sampled_from(["group", "mean", "rloo"]),
+)
+def test_columns_are_consistent(data, extra, truncation, estimator):
+    sessions, structure = data
+    width = max([c.length for s in sessions for c in s.calls], default=1) + extra
+    batch = pack(sessions, width, estimator=estimator, truncation=truncation)
+    for name, dtype in CORE.items():
+        assert batch[name].dtype == dtype and batch[name].shape == batch["input_ids"].shape
+    assert "routed" not in batch and "support_ids" not in batch
+    training = [i for i, s in enumerate(sessions) if trains(s, truncation)]
+    rewards = [
+        0.0
+        if sessions[i].status is Status.TRUNCATED and truncation == "zero"
+        else sessions[i].reward
+        for i in training
+    ]
+    groups = [(sessions[i].task, sessions[i].group) for i in training]
+    advantage = dict(zip(training, reference_advantages(rewards, groups, estimator), strict=True))
+    chains_of = {
+        i: [sessions[i].calls[c[-1]] for c in structure[i]] for i in training if structure[i]
+    }
+    seen = []
+    for r in range(batch["input_ids"].shape[0]):
+        segment = batch["text_segment_ids"][r]
+        real = np.flatnonzero(segment)
+        # chains sit back to back from column 0; padding only at the end of the row
+        assert real.tolist() == list(range(real.size))
+        assert not batch["input_ids"][r, real.size :].any()
+        assert not batch["advantages"][r, real.size :].any()
+        assert set(batch["session_index"][r, real.size :].tolist()) <= {-1}
+        for seg in np.unique(segment[real]):
+            cols = np.flatnonzero(segment == seg)
+            np.testing.assert_array_equal(batch["text_positions"][r, cols], np.arange(cols.size))
+            owners = set(batch["session_index"][r, cols].tolist()) - {-1}
+            assert len(owners) <= 1
+            i = owners.pop() if owners else None
+            if i is None:  # a chain without sampled ids: find its session by its ids
+                continue
+            ids = batch["input_ids"][r, cols]
+            match = [
+                k
+                for k, c in enumerate(chains_of[i])
+                if np.array_equal(ids, c.prompt_ids.tolist() + c.sampled_ids.tolist())
+            ]
+            assert match, "a packed chain is not one of its session's chains"
+            seen.append((i, match[0]))
+            assert np.all(batch["advantages"][r, cols] == np.float32(advantage[i]))
+            total = sum(c.sampled_ids.size for c in sessions[i].calls)
+            np.testing.assert_allclose(batch["session_weights"][r, cols], 1.0 / total, rtol=1e-7)
+    # the reference advantages match to float32 rounding
+    for i in training:
+        got = batch["advantages"][batch["session_index"] == i]
+        if got.size:
+            np.testing.assert_allclose(got, advantage[i], rtol=1e-6, atol=1e-6)
+    # session-mean from the weights: sum(m*w) counts the sessions with sampled ids
+    m, w = batch["response_mask"], batch["session_weights"]
+    trained_sessions = {i for i in training if any(c.sampled_ids.size for c in sessions[i].calls)}
+    np.testing.assert_allclose((m * w).sum(), len(trained_sessions), rtol=1e-5)
+
+
+# ------------------------------------------------------------------- worked examples
+
+
+def test_chain_merges_only_on_the_whole_chain():
+    first = call([1, 2], [3, 4], version=1)
+    merged = call([1, 2, 3, 4, 9, 9], [5], version=2)  # observation 9 9, then draw 5
+    prompt_only = call([1, 2, 3, 4, 9, 9, 5, 8], [6])  # extends merged too: same chain
+    split = call([1, 2, 7], [8])  # starts with first's prompt only: new chain
+    s = session([first, merged, prompt_only, split])
+    assert chain_lengths([s], 13).tolist() == [9, 4]
+    batch = pack([s], width=13)
+    np.testing.assert_array_equal(batch["input_ids"], [[1, 2, 3, 4, 9, 9, 5, 8, 6, 1, 2, 7, 8]])
+    np.testing.assert_array_equal(batch["response_mask"], [[0, 0, 1, 1, 0, 0, 1, 0, 1, 0, 0, 0, 1]])
+    np.testing.assert_array_equal(
+        batch["text_segment_ids"], [[1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]]
+    )
+    np.testing.assert_array_equal(
+        batch["text_positions"], [[0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3]]
+    )
+    np.testing.assert_array_equal(
+        batch["call_index"], [[-1, -1, 0, 0, -1, -1, 1, -1, 2, -1, -1, -1, 3]]
+    )
+    np.testing.assert_array_equal(
+        batch["versions"], [[-1, -1, 1, 1, -1, -1, 2, -1, 0, -1, -1, -1, 0]]
+    )
+    # one column fewer: the two chains no longer share a row
+    assert pack([s], width=12)["input_ids"].shape == (2, 12)
+    # a call that only shares the previous prompt is never merged
+    assert chain_lengths([session([first, call([1, 2, 5, 6], [7])])], 8).tolist() == [4, 5]
+
+
+def test_first_fit_decreasing_layout():
+    calls = {n: call(list(range(1, n)), [n]) for n in (3, 6, 2, 5)}
+    sessions = [session([calls[n]], reward=float(n), sample=k) for k, n in enumerate(calls)]
+    assert rows_needed(chain_lengths(sessions, 8), 8) == 2
+    batch = pack(sessions, width=8, rows=3)
+    # longest first: 6 -> row 0, 5 -> row 1, 3 -> row 1, 2 -> row 0; row 2 is padding
+    np.testing.assert_array_equal(
+        batch["input_ids"],
+        [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 4, 5, 1, 2, 3], [0] * 8],
+    )
+    np.testing.assert_array_equal(
+        batch["session_index"],
+        [[-1] * 5 + [1, -1, 2], [-1] * 4 + [3, -1, -1, 0], [-1] * 8],
+    )
+    assert not batch["session_weights"][2].any() and not batch["text_segment_ids"][2].any()
+    assert rows_needed([], 8) == 0
+    assert pack([], 8)["input_ids"].shape == (0, 8)
+
+
+def test_old_log_probs_raw_when_recorded():
+    a = Call([1], [2, 3], [-1.0, -2.0], "stop", 0, log_probs=[-0.5, -0.25])
+    b = Call([4], [5], [-3.0], "length", 0)
+    batch = pack([session([a, b])], width=5)
+    np.testing.assert_array_equal(batch["old_log_probs"], [[0, -0.5, -0.25, 0, -3.0]])
+    np.testing.assert_array_equal(batch["behavior_log_probs"], [[0, -1.0, -2.0, 0, -3.0]])
+
+
+def group_of(statuses, rewards):
+    return [
+        session([call([1, 2], [3 + k])], reward=r, status=st_, sample=k)
+        for k, (st_, r) in enumerate(zip(statuses, rewards, strict=True))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("truncation", "trained", "rewards"),
+    [
+        ("mask", [0, 1, 2], [1.0, 0.0, 0.5]),
+        ("score", [0, 1, 2, 3], [1.0, 0.0, 0.5, 0.75]),
+        ("zero", [0, 1, 2, 3], [1.0, 0.0, 0.5, 0.0]),
+    ],
+)
+def test_status_rules(truncation, trained, rewards):
+    statuses = ["COMPLETED", "AGENT_ERROR", "COMPLETED", "TRUNCATED", "INFRA_ERROR", "CANCELLED"]
+    sessions = group_of(statuses, [1.0, 0.0, 0.5, 0.75, 100.0, None])
+    batch = pack(sessions, width=3, truncation=truncation)
+    assert batch["input_ids"].shape == (len(trained), 3)
+    got = {
+        int(i): float(a)
+        for i, a in zip(batch["session_index"][:, 2], batch["advantages"][:, 2], strict=True)
+    }
+    assert sorted(got) == trained
+    want = reference_advantages(rewards, [0] * len(rewards), "group")
+    np.testing.assert_allclose([got[i] for i in trained], want, rtol=1e-6)
+
+
+def test_groups_are_task_and_group():
+    # same group number, different tasks: two separate groups of two
+    s = [
+        session([call([1], [2])], reward=r, task=t, group=0, sample=k)
+        for k, (t, r) in enumerate([(0, 1.0), (0, 0.0), (7, 5.0), (7, 3.0)])
+    ]
+    adv = pack(s, 2, estimator="mean")["advantages"][:, 0]
+    order = pack(s, 2)["session_index"][:, 1]
+    got = dict(zip(order.tolist(), adv.tolist(), strict=True))
+    assert got == {0: 0.5, 1: -0.5, 2: 1.0, 3: -1.0}
+    got = pack(s, 2, estimator="rloo")["advantages"][:, 0]
+    assert sorted(got.tolist()) == [-2.0, -1.0, 1.0, 2.0]
+
+
+def test_session_weights_across_chains():
+    a = session([call([1], [2, 3]), call([9], [4])], sample=0, reward=1.0)  # 3 sampled ids
+    b = session([call([1], [2])], sample=1, reward=0.0)  # 1 sampled id
+    c = session([call([1, 2], [])], sample=2, reward=0.5)  # none: weight 0
+    batch = pack([a, b, c], width=16)
+    w, seg = batch["session_weights"][0], batch["text_segment_ids"][0]
+    assert np.all(w[seg == 0] == 0)
+    values = sorted(set(w[seg > 0].tolist()))
+    np.testing.assert_allclose(values, [0.0, 1 / 3, 1.0], rtol=1e-7)
+    loss = np.arange(16, dtype=np.float32)
+    m = batch["response_mask"][0]
+    means = [loss[(batch["session_index"][0] == i) & (m == 1)].mean() for i in (0, 1)]
+    np.testing.assert_allclose((loss * m * w).sum() / (m * w).sum(), np.mean(means), rtol=1e-6)
+
+
+def test_routing_all_some_and_overwrite():
+    r1 = np.arange(3 * 2 * 2, dtype=np.int16).reshape(3, 2, 2)  # covers 3 of call 1's 4 ids
+    r2 = np.full((6, 2, 2), 7, np.int16)  # covers 6 of call 2's 7 ids
+    c1 = call([1, 2], [3, 4], routed_experts=r1)
+    c2 = call([1, 2, 3, 4, 5], [6, 7], routed_experts=r2)
+    c3 = call([8], [9])  # no record
+    batch = pack([session([c1, c2, c3])], width=10)
+    experts, routed = batch["routed_experts"], batch["routed"]
+    assert experts.shape == (1, 10, 2, 2) and experts.dtype == np.int16 and routed.dtype == bool
+    np.testing.assert_array_equal(routed[0], [1] * 6 + [0] * 4)
+    assert np.all(experts[0, :6] == 7)  # the later call's record replaces the earlier one
+    assert not experts[0, 6:].any()
+    only_first = pack([session([c1])], width=4)
+    np.testing.assert_array_equal(only_first["routed_experts"][0, :3], r1)
+    np.testing.assert_array_equal(only_first["routed"][0], [1, 1, 1, 0])
+    bad = call([1], [2], routed_experts=np.zeros((2, 3, 2), np.int16))
+    with pytest.raises(ValueError, match=r"routed_experts: expected \[n, 2, 2\] int16"):
+        pack([session([c1]), session([bad], sample=1)], width=8)
+    wrong_dtype = call([1], [2], routed_experts=np.zeros((2, 2, 2), np.int32))
+    with pytest.raises(ValueError, match="int32"):
+        pack([session([c1]), session([wrong_dtype], sample=1)], width=8)
+
+
+def test_support_columns():
+    a = call([1], [2, 3], support=[[2, 5, 6], [3]])
+    b = call([1, 2, 3, 4], [7], support=[[8, 7]])
+    c = call([9], [4])  # no support: scored over the full vocabulary
+    batch = pack([session([a, b]), session([c], sample=1)], width=8, support_capacity=8)
+    np.testing.assert_array_equal(batch["support_ids"], [[2, 5, 6, 3, 8, 7, -1, -1]])
+    np.testing.assert_array_equal(batch["support_columns"], [[1, 1, 1, 2, 4, 4, -1, -1]])
+    ids = batch["input_ids"][0, batch["support_columns"][0, :6]]
+    assert ids.tolist() == [2, 2, 2, 3, 7, 7]
+    with pytest.raises(ValueError, match="support_capacity: calls recorded a support"):
+        pack([session([a])], width=8)
+    with pytest.raises(ValueError, match=r"row 0 holds 6 support ids.*needs support_capacity >= 6"):
+        pack([session([a, b])], width=8, support_capacity=5)
+    plain = pack([session([c])], width=4, support_capacity=3)
+    assert plain["support_ids"].tolist() == [[-1, -1, -1]]
+
+
+def test_errors_name_what_is_wrong():
+    long = session([call([1] * 6, [2, 3])], sample=4)
+    with pytest.raises(
+        ValueError, match=r"sessions\[0\] \(task 0, group 0, sample 4.*8 ids, longer than width 7"
+    ):
+        pack([long], width=7)
+    with pytest.raises(ValueError, match=r"sessions\[0\].*longer than width 7"):
+        chain_lengths([long], 7)
+    masked = session([call([1] * 6, [2, 3])], status="TRUNCATED")
+    assert pack([masked], width=7)["input_ids"].shape == (0, 7)  # masked: never placed
+    two = [session([call([1, 2], [3])], sample=k) for k in range(3)]
+    with pytest.raises(ValueError, match=r"need 2 rows of width 6, but rows=1"):
+        pack(two, width=6, rows=1)
+    unscored = session([call([1], [2])], reward=None)
+    with pytest.raises(ValueError, match=r"sessions\[0\].*reward is None"):
+        pack([unscored], width=4)
+    assert pack([session([call([1], [2])], reward=None, status="TRUNCATED")], 4, truncation="zero")[
+        "advantages"
+    ].shape == (1, 4)
+    with pytest.raises(ValueError, match="estimator"):
+        pack(two, 8, estimator="ppo")
+    with pytest.raises(ValueError, match="truncation"):
+        pack(two, 8, truncation="drop")
+    with pytest.raises(ValueError, match="width"):
+        pack(two, 0)
+    with pytest.raises(ValueError, match="rows"):
+        pack(two, 8, rows=-1)
+    with pytest.raises(TypeError, match=r"sessions\[1\]: expected a Session"):
+        pack([two[0], "x"], 8)
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[1, 4\]"):
+        rows_needed([5], 4)

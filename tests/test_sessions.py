@@ -1,0 +1,315 @@
+"""Session records, advantage estimators and session_metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import doctest
+import importlib
+
+import numpy as np
+import pytest
+
+from dew_pipe.objectives.rl.advantages import (
+    compute_advantages,
+    group_advantages,
+    mean_advantages,
+    rloo_advantages,
+)
+from dew_pipe.objectives.rl.sessions import (
+    Call,
+    Session,
+    SessionSource,
+    Status,
+    Task,
+    pack,
+    session_metrics,
+)
+
+
+def good_call(**overrides):
+    fields = dict(
+        prompt_ids=[1, 2, 3],
+        sampled_ids=[4, 5],
+        behavior_log_probs=[-0.5, -1.5],
+        finish_reason="stop",
+        version=2,
+    )
+    fields.update(overrides)
+    return Call(**fields)
+
+
+# ----------------------------------------------------------------------------- Call
+
+
+def test_call_normalizes_and_freezes():
+    call = good_call(prompt_ids=np.array([1, 2, 3], np.int64), log_probs=(-0.25, -1.0))
+    assert call.prompt_ids.dtype == np.int32 and call.sampled_ids.dtype == np.int32
+    assert call.behavior_log_probs.dtype == np.float32 and call.log_probs.dtype == np.float32
+    assert call.length == 5
+    np.testing.assert_array_equal(call.old_log_probs, [-0.25, -1.0])
+    np.testing.assert_array_equal(good_call().old_log_probs, [-0.5, -1.5])
+    with pytest.raises(ValueError, match="read-only"):
+        call.prompt_ids[0] = 9
+    empty = good_call(sampled_ids=[], behavior_log_probs=[], finish_reason="abort")
+    assert empty.sampled_ids.shape == (0,) and empty.sampled_ids.dtype == np.int32
+    # caller's array is left writable
+    mine = np.array([1, 2], np.int32)
+    good_call(prompt_ids=mine)
+    mine[0] = 3
+
+
+def test_call_equality_is_elementwise():
+    assert good_call() == good_call()
+    assert good_call() != good_call(version=3)
+    assert good_call() != good_call(log_probs=[-0.5, -1.5])
+    assert good_call(support=[[4, 1], [5]]) != good_call(support=[[4], [5]])
+    routed = np.zeros((5, 1, 2), np.int8)
+    assert good_call(routed_experts=routed) == good_call(routed_experts=routed.copy())
+    assert good_call(routed_experts=routed) != good_call(routed_experts=routed.astype(np.int16))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"prompt_ids": []}, ValueError, r"Call.prompt_ids: expected at least one id"),
+        ({"prompt_ids": [1, -2]}, ValueError, r"Call.prompt_ids: expected ids in .*-2 at index 1"),
+        ({"prompt_ids": [True, False]}, TypeError, r"Call.prompt_ids: expected integer.*bool"),
+        ({"sampled_ids": [4.0, 5.0]}, TypeError, r"Call.sampled_ids: expected integer.*float64"),
+        ({"sampled_ids": [[4, 5]]}, ValueError, r"Call.sampled_ids: expected a 1-D"),
+        ({"sampled_ids": [4, 2**31]}, ValueError, r"Call.sampled_ids: expected ids in"),
+        (
+            {"behavior_log_probs": [-0.5]},
+            ValueError,
+            r"behavior_log_probs: expected one entry.*\(2,\), got \(1,\)",
+        ),
+        (
+            {"behavior_log_probs": [-0.5, np.nan]},
+            ValueError,
+            r"behavior_log_probs: expected finite float32 values, got nan at index 1",
+        ),
+        (
+            {"behavior_log_probs": [-0.5, -1e300]},
+            ValueError,
+            r"behavior_log_probs: expected finite float32 values, got -1e\+300 at index 1",
+        ),
+        ({"behavior_log_probs": [True, False]}, TypeError, r"behavior_log_probs: expected real"),
+        ({"log_probs": [-0.5, -1.0, -2.0]}, ValueError, r"Call.log_probs: expected one entry"),
+        ({"log_probs": [np.inf, -1.0]}, ValueError, r"Call.log_probs: expected finite float32"),
+        ({"finish_reason": None}, TypeError, r"Call.finish_reason: expected a str"),
+        ({"version": True}, TypeError, r"Call.version: expected an int"),
+        ({"version": -1}, ValueError, r"Call.version: expected an int >= 0, got -1"),
+        ({"version": 1.0}, TypeError, r"Call.version: expected an int"),
+        (
+            {"routed_experts": np.zeros((6, 2, 2), np.int16)},
+            ValueError,
+            r"1 <= n <= 5.*\(6, 2, 2\)",
+        ),
+        (
+            {"routed_experts": np.zeros((5, 2), np.int16)},
+            ValueError,
+            r"routed_experts: expected shape",
+        ),
+        ({"routed_experts": np.zeros((5, 2, 2))}, TypeError, r"routed_experts: expected integer"),
+        ({"routed_experts": -np.ones((5, 2, 2), np.int16)}, ValueError, r"nonnegative"),
+        (
+            {"support": [[4]]},
+            ValueError,
+            r"Call.support: expected one entry per sampled id \(2\), got 1",
+        ),
+        ({"support": [[4], [6, 7]]}, ValueError, r"Call.support\[1\]: the sampled id 5 is not in"),
+        ({"support": [[4, 4], [5]]}, ValueError, r"Call.support\[0\]: expected distinct ids"),
+        ({"support": [[], [5]]}, ValueError, r"Call.support\[0\]: expected at least one id"),
+        ({"support": np.array([[4], [5]])}, TypeError, r"Call.support: expected a sequence"),
+    ],
+)
+def test_call_refuses_bad_fields(overrides, error, message):
+    with pytest.raises(error, match=message):
+        good_call(**overrides)
+
+
+def test_check_eos():
+    good_call(sampled_ids=[4, 0], finish_reason="stop").check_eos(0)
+    good_call(sampled_ids=[4, 5], finish_reason="length").check_eos((0, 9))
+    good_call(sampled_ids=[4, 9], finish_reason="stop").check_eos((0, 9))
+    with pytest.raises(ValueError, match=r"1 id\(s\) follow EOS 0 at index 0"):
+        good_call(sampled_ids=[0, 5]).check_eos(0)
+    with pytest.raises(ValueError, match=r"ends on EOS 0, so expected 'stop', got 'length'"):
+        good_call(sampled_ids=[4, 0], finish_reason="length").check_eos([0])
+
+
+# ----------------------------------------------------------------------------- Session
+
+
+def test_session_normalizes():
+    s = Session(Task(7, {"p": 1}), 1, 2, 0, [good_call()], "AGENT_ERROR", 1, {"format": 0})
+    assert s.task == 7 and s.status is Status.AGENT_ERROR and s.reward == 1.0
+    assert isinstance(s.calls, tuple) and s.components == {"format": 0.0}
+    assert Session(np.int64(7), 1, 2, 0, [], Status.CANCELLED).task == 7
+    assert Status.parse("infra_error") is Status.INFRA_ERROR
+    assert s == Session(7, 1, 2, 0, (good_call(),), Status.AGENT_ERROR, 1.0, {"format": 0.0})
+    assert s != Session(7, 1, 2, 1, (good_call(),), Status.AGENT_ERROR, 1.0, {"format": 0.0})
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ((1.5, 0, 0, 0, [], "COMPLETED"), TypeError, r"Session.task: expected an int"),
+        (("t", 0, 0, 0, [], "COMPLETED"), TypeError, r"Session.task: expected an int"),
+        ((0, 0, -1, 0, [], "COMPLETED"), ValueError, r"Session.sample: expected an int >= 0"),
+        ((0, 0, 0, -1, [], "COMPLETED"), ValueError, r"Session.attempt: expected an int >= 0"),
+        ((0, 0, 0, 0, ["x"], "COMPLETED"), TypeError, r"Session.calls\[0\]: expected a Call"),
+        ((0, 0, 0, 0, None, "COMPLETED"), TypeError, r"Session.calls: expected a sequence"),
+        ((0, 0, 0, 0, [], "DONE"), ValueError, r"status: expected one of \['COMPLETED'"),
+        (
+            (0, 0, 0, 0, [], "COMPLETED", float("nan")),
+            ValueError,
+            r"Session.reward: expected a finite",
+        ),
+        ((0, 0, 0, 0, [], "COMPLETED", True), TypeError, r"Session.reward: expected a real"),
+        ((0, 0, 0, 0, [], "COMPLETED", 1.0, {"a": np.inf}), ValueError, r"components\['a'\]"),
+        ((0, 0, 0, 0, [], "COMPLETED", 1.0, {1: 0.0}), TypeError, r"expected str keys"),
+        ((0, 0, 0, 0, [], "COMPLETED", 1.0, {}, 3), TypeError, r"Session.detail: expected a str"),
+    ],
+)
+def test_session_refuses_bad_fields(args, error, message):
+    with pytest.raises(error, match=message):
+        Session(*args)
+
+
+def test_task_and_source_protocol():
+    with pytest.raises(TypeError, match="Task.id"):
+        Task("a")
+
+    class Echo:
+        def submit(self, task, *, group, sample, attempt):
+            future = cf.Future()
+            call = Call(task.data, [1], [-0.1], "stop", 0)
+            future.set_result(Session(task, group, sample, attempt, [call], "COMPLETED", 1.0))
+            return future
+
+        def cancel(self, future):
+            future.cancel()
+
+        def close(self):
+            pass
+
+    source = Echo()
+    assert isinstance(source, SessionSource)
+    assert not isinstance(object(), SessionSource)
+    session = source.submit(Task(4, [9, 9]), group=1, sample=2, attempt=0).result()
+    assert (session.task, session.group, session.sample) == (4, 1, 2)
+
+
+# ------------------------------------------------------------------------ advantages
+
+
+def test_estimators_on_worked_numbers():
+    rewards = [1.0, 0.0, 0.5, 2.0, 2.0, 3.0]
+    groups = [0, 0, 0, 1, 1, 2]
+    std = np.std([1.0, 0.0, 0.5], ddof=1)  # 0.5, unbiased as torch.std
+    np.testing.assert_allclose(
+        group_advantages(rewards, groups),
+        [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.0, 0.0, 0.0, 3.0 / (1 + 1e-6)],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(mean_advantages(rewards, groups), [0.5, -0.5, 0.0, 0, 0, 3.0])
+    np.testing.assert_allclose(
+        rloo_advantages(rewards, groups), [1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5, 0, 0, 3.0]
+    )
+    assert group_advantages(rewards, groups).dtype == np.float32
+    # group ids need not be contiguous or sorted
+    np.testing.assert_allclose(
+        compute_advantages([5.0, 1.0, 3.0], [9, -4, 9], "rloo"), [2.0, 1.0, -2.0]
+    )
+    assert compute_advantages([], [], "group").shape == (0,)
+
+
+def test_estimators_refuse_bad_input():
+    with pytest.raises(ValueError, match=r"rewards: expected finite values, got nan at index 1"):
+        group_advantages([1.0, np.nan], [0, 0])
+    with pytest.raises(ValueError, match=r"groups: expected shape \(2,\)"):
+        mean_advantages([1.0, 0.0], [0])
+    with pytest.raises(TypeError, match="rewards: expected real numbers"):
+        rloo_advantages([True, False], [0, 0])
+    with pytest.raises(ValueError, match=r"estimator: expected one of \['group', 'mean', 'rloo'\]"):
+        compute_advantages([1.0], [0], "grpo")
+
+
+# ------------------------------------------------------------------- session_metrics
+
+
+def metrics_sessions():
+    def s(status, reward, calls, sample, components=None):
+        return Session(0, 0, sample, 0, calls, status, reward, components or {})
+
+    a = Call([1], [2, 3], [-1.0, -1.0], "stop", 3)
+    b = Call([1, 2, 3, 4], [5], [-1.0], "stop", 4)  # extends a
+    c = Call([9], [8, 7, 6], [-1.0] * 3, "length", 1)
+    return [
+        s("COMPLETED", 1.0, [a, b], 0, {"format": 1.0}),
+        s("TRUNCATED", 0.5, [c], 1, {"format": 0.0}),
+        s("INFRA_ERROR", None, [c], 2),
+        s("AGENT_ERROR", 0.0, [Call([1], [2], [-1.0], "stop", 5)], 3),
+    ]
+
+
+@pytest.mark.parametrize("truncation", ["mask", "score", "zero"])
+def test_session_metrics(truncation):
+    sessions = metrics_sessions()
+    batch = pack(sessions, 8, truncation=truncation)
+    m = session_metrics(
+        sessions, batch, latencies=[1.0, 2.0, 3.0, 10.0], version=5, truncation=truncation
+    )
+    assert (
+        m["sessions/count"] == 4 and m["sessions/truncated"] == 1 and m["sessions/cancelled"] == 0
+    )
+    assert m["chains/count"] == 4 and m["chains/calls_per_chain"] == 5 / 4
+    truncated_masked = 1.0 if truncation == "mask" else 0.0
+    assert m["masked/completed"] == 0.0 and m["masked/agent_error"] == 0.0
+    assert m["masked/infra_error"] == 1.0 and m["masked/truncated"] == truncated_masked
+    assert "masked/cancelled" not in m
+    trained = 3 + 1 + (3 if truncation != "mask" else 0)
+    assert m["masked/all"] == pytest.approx(1 - trained / 10)
+    assert m["reward/mean"] == pytest.approx(0.5)
+    trained_rewards = {"mask": [1.0, 0.0], "score": [1.0, 0.5, 0.0], "zero": [1.0, 0.0, 0.0]}
+    assert m["reward/trained_mean"] == pytest.approx(np.mean(trained_rewards[truncation]))
+    assert m["reward/component/format"] == 0.5
+    np.testing.assert_allclose(
+        [m["latency/p50"], m["latency/p90"], m["latency/p99"], m["latency/max"]],
+        np.percentile([1.0, 2.0, 3.0, 10.0], [50, 90, 99]).tolist() + [10.0],
+    )
+    assert m["version/lag_max"] == 4 and m["version/lag_mean"] == pytest.approx((2 + 4 + 4 + 0) / 4)
+    assert m["version/oldest"] == 1
+    assert m["pack/rows"] == batch["input_ids"].shape[0]
+    assert m["pack/fill"] == pytest.approx(
+        np.count_nonzero(batch["text_segment_ids"]) / batch["input_ids"].size
+    )
+
+
+def test_session_metrics_refuses_mismatches():
+    sessions = metrics_sessions()
+    batch = pack(sessions, 8)
+    with pytest.raises(ValueError, match=r"latencies: expected one per session, shape \(4,\)"):
+        session_metrics(sessions, batch, latencies=[1.0])
+    with pytest.raises(ValueError, match="latencies: expected finite seconds"):
+        session_metrics(sessions, batch, latencies=[1.0, -1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="newer than the current version 2"):
+        session_metrics(sessions, batch, version=2)
+    with pytest.raises(ValueError, match=r"session_index.*was it packed from these sessions"):
+        session_metrics(sessions[:1], batch)
+    with pytest.raises(ValueError, match="column 'session_index'"):
+        session_metrics(sessions, {"response_mask": batch["response_mask"]})
+    assert "latency/p50" not in session_metrics([], pack([], 4), latencies=[])
+
+
+# ------------------------------------------------------------------------ docstrings
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["advantages", "sessions", "packing", "session_stats"],
+)
+def test_docstring_examples_run(module):
+    mod = importlib.import_module(f"dew_pipe.objectives.rl.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
