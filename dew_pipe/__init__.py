@@ -1,1 +1,42 @@
-"""dew_pipe"""
+"""dew_pipe: post-training for JAX models on a streaming graph of typed stages.
+
+The top-level names resolve lazily (module ``__getattr__``), so ``import dew_pipe`` does
+not import JAX until one of them is used.
+
+Example:
+    >>> import dew_pipe
+    >>> dew_pipe.Loading(workers=0, threads=1, read_buffer=2).read_buffer
+    2
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> (module, attribute); attribute None means the module itself.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "Trainer": ("dew_pipe.trainer", "Trainer"),
+    "TrainState": ("dew_pipe.trainer", "TrainState"),
+    "Dataset": ("dew_pipe.data.dataset", "Dataset"),
+    "Loading": ("dew_pipe.data.dataset", "Loading"),
+    "LMObjective": ("dew_pipe.objectives.lm", "LMObjective"),
+    "Sampling": ("dew_pipe.sampling", "Sampling"),
+    "models": ("dew_pipe.models", None),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dew_pipe' has no attribute {name!r}")
+    module = importlib.import_module(target[0])
+    value = module if target[1] is None else getattr(module, target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,1 +1,33 @@
-"""dew_pipe/data"""
+"""Data sources for training: datasets, loading settings and loaders.
+
+Names resolve lazily (module ``__getattr__``) so ``import dew_pipe.data`` stays cheap and
+loaders that need heavy libraries load only when used. To export a new name, add it to
+``_LAZY`` with the module that defines it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    "Dataset": "dew_pipe.data.dataset",
+    "Loading": "dew_pipe.data.dataset",
+    "Partition": "dew_pipe.data.dataset",
+    "Prefetch": "dew_pipe.data.dataset",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dew_pipe.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
