@@ -5,9 +5,11 @@ from __future__ import annotations
 import statistics
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from session_strategies import call, sessions_strategy, trains
 
 from dew_pipe.objectives.rl.sessions import (
     Call,
@@ -31,11 +33,6 @@ CORE = {
     "call_index": np.int32,
     "session_weights": np.float32,
 }
-
-
-def call(prompt, sampled, version=0, raw=None, **kw):
-    behavior = [-0.5 - 0.01 * k for k in range(len(sampled))]
-    return Call(prompt, sampled, behavior, "stop", version, log_probs=raw, **kw)
 
 
 def session(calls, reward=1.0, status="COMPLETED", task=0, group=0, sample=0):
@@ -65,62 +62,6 @@ def reference_advantages(rewards, groups, estimator):
                 others = [rewards[m] for m in ks if m != k]
                 out[k] = rewards[k] - statistics.fmean(others)
     return out
-
-
-def trains(s, truncation):
-    if s.status in (Status.COMPLETED, Status.AGENT_ERROR):
-        return True
-    return s.status is Status.TRUNCATED and truncation != "mask"
-
-
-# ------------------------------------------------------------------ random sessions
-
-
-@st.composite
-def sessions_strategy(draw, max_sessions=7, with_extras=False, min_sampled=0):
-    """Sessions whose intended chain structure is known: returns (sessions, chains)."""
-    ids = st.integers(0, 40)
-    out, structure = [], []
-    for index in range(draw(st.integers(0, max_sessions))):
-        calls, chains = [], []
-        for k in range(draw(st.integers(0, 4))):
-            sampled = draw(st.lists(ids, min_size=min_sampled, max_size=5))
-            previous = calls[-1] if calls else None
-            mode = draw(st.sampled_from(["extend", "new", "prompt_prefix"])) if calls else "new"
-            if mode == "extend":
-                between = draw(st.lists(ids, max_size=3))
-                prompt = [*previous.prompt_ids, *previous.sampled_ids, *between]
-            elif mode == "prompt_prefix" and previous.sampled_ids.size:
-                # starts with the previous prompt but not with its draw: must not merge
-                wrong = [(int(previous.sampled_ids[0]) + 1) % 41]
-                prompt = [*previous.prompt_ids, *wrong, *draw(st.lists(ids, max_size=2))]
-            else:
-                first = 41 + len(chains)  # a first id no earlier chain has: cannot extend
-                prompt = [first, *draw(st.lists(ids, max_size=4))]
-                mode = "new"
-            if mode == "extend":
-                chains[-1].append(k)
-            else:
-                chains.append([k])
-            extras = {}
-            if with_extras and draw(st.booleans()):
-                n = len(prompt) + len(sampled) - draw(st.integers(0, 1))
-                if n >= 1:
-                    extras["routed_experts"] = np.full((n, 2, 2), 10 * index + k, np.int16)
-            if with_extras and draw(st.booleans()):
-                extras["support"] = [[s, 41 + s] for s in sampled]
-            raw = draw(st.one_of(st.none(), st.just([-0.25 * (m + 1) for m in sampled])))
-            version = draw(st.integers(0, 3))
-            calls.append(call(prompt, sampled, version, raw, **extras))
-        status = draw(st.sampled_from(list(Status)))
-        reward = draw(st.one_of(st.floats(-2, 2, allow_nan=False), st.sampled_from([0.0, 1.0])))
-        out.append(
-            Session(
-                draw(st.integers(0, 2)), draw(st.integers(0, 1)), index, 0, calls, status, reward
-            )
-        )
-        structure.append(chains)
-    return out, structure
 
 
 def unpack(batch, n_sessions):
@@ -466,3 +407,92 @@ def test_errors_name_what_is_wrong():
         pack([two[0], "x"], 8)
     with pytest.raises(ValueError, match=r"lengths: expected values in \[1, 4\]"):
         rows_needed([5], 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=sessions_strategy(with_extras=True, min_sampled=1), extra=st.integers(0, 6))
+def test_routing_and_support_follow_their_calls(data, extra):
+    sessions, structure = data
+    width = max([c.length for s in sessions for c in s.calls], default=1) + extra
+    supported = any(c.support is not None for s in sessions for c in s.calls)
+    capacity = 2 * width  # every support here holds 2 ids per sampled id
+    batch = pack(sessions, width, truncation="score", support_capacity=capacity)
+    routed_any = any(c.routed_experts is not None for s in sessions for c in s.calls)
+    assert ("routed" in batch) == routed_any
+    assert batch["support_ids"].shape == (batch["input_ids"].shape[0], capacity)
+    if not supported:
+        assert (batch["support_ids"] == -1).all()
+    # expected routing and support per (row, column), built call by call from the records
+    for r in range(batch["input_ids"].shape[0]):
+        want_routed = np.zeros(width, bool)
+        want_experts = np.zeros((width, 2, 2), np.int16)
+        want_support = []
+        segment = batch["text_segment_ids"][r]
+        for seg in np.unique(segment[segment > 0]):
+            cols = np.flatnonzero(segment == seg)
+            owners = set(batch["session_index"][r, cols].tolist()) - {-1}
+            if not owners:
+                continue
+            i = owners.pop()
+            calls_here = sorted(set(batch["call_index"][r, cols].tolist()) - {-1})
+            chain = next(c for c in structure[i] if calls_here[0] in c)
+            for j in chain:
+                c = sessions[i].calls[j]
+                if c.routed_experts is not None:
+                    n = c.routed_experts.shape[0]
+                    want_routed[cols[0] : cols[0] + n] = True
+                    want_experts[cols[0] : cols[0] + n] = c.routed_experts
+                if c.support is not None:
+                    start = cols[0] + c.prompt_ids.size
+                    want_support += [(start + k, kept) for k, kept in enumerate(c.support)]
+        if routed_any:
+            np.testing.assert_array_equal(batch["routed"][r], want_routed)
+            np.testing.assert_array_equal(batch["routed_experts"][r], want_experts)
+        want_support.sort(key=lambda e: e[0])
+        ids = [int(x) for _, kept in want_support for x in kept]
+        columns = [col for col, kept in want_support for _ in kept]
+        pad = [-1] * (capacity - len(ids))
+        assert batch["support_ids"][r].tolist() == ids + pad
+        assert batch["support_columns"][r].tolist() == columns + pad
+        # every supported column holds a sampled id that its support contains
+        for col, kept in want_support:
+            assert batch["response_mask"][r, col] == 1
+            assert batch["input_ids"][r, col] in kept
+
+
+def test_arrow_round_trip_is_exact_and_zero_copy():
+    from dew_pipe import batches
+
+    r1 = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
+    sessions = [
+        Session(
+            0,
+            0,
+            0,
+            0,
+            [call([1, 2], [3, 4], routed_experts=r1, support=[[3, 9], [4]])],
+            "COMPLETED",
+            1.0,
+        ),
+        Session(0, 0, 1, 0, [call([5], [6], raw=[-0.125])], "COMPLETED", 0.0),
+    ]
+    plain = pack(sessions, 8, support_capacity=4)
+    record = pack(sessions, 8, support_capacity=4, arrow=True)
+    assert record.schema.equals(
+        batches.packed_schema(8, routed_experts=(2, 2, np.int16), support_capacity=4)
+    )
+    back = batches.packed_from_arrow(record)
+    assert set(back) == set(plain)
+    for name, array in plain.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape
+        np.testing.assert_array_equal(back[name], array)
+    # from Arrow: views of the batch's buffers, not copies (routed is bit-packed in Arrow)
+    for name, array in back.items():
+        if name == "routed":
+            continue
+        column = record.column(name)
+        while isinstance(column, pa.FixedSizeListArray):
+            column = column.flatten()
+        buffer = column.buffers()[1]
+        address = array.__array_interface__["data"][0]
+        assert buffer.address <= address < buffer.address + buffer.size, name

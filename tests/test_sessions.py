@@ -8,7 +8,10 @@ import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from session_strategies import sessions_strategy
 
+from dew_pipe import batches
 from dew_pipe.objectives.rl.advantages import (
     compute_advantages,
     group_advantages,
@@ -21,8 +24,10 @@ from dew_pipe.objectives.rl.sessions import (
     SessionSource,
     Status,
     Task,
+    from_arrow,
     pack,
     session_metrics,
+    to_arrow,
 )
 
 
@@ -307,9 +312,94 @@ def test_session_metrics_refuses_mismatches():
 
 @pytest.mark.parametrize(
     "module",
-    ["advantages", "sessions", "packing", "session_stats"],
+    ["advantages", "sessions", "packing", "session_stats", "session_arrow"],
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"dew_pipe.objectives.rl.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------------ Arrow
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=sessions_strategy(with_extras=True))
+def test_arrow_round_trip_of_random_sessions(data):
+    sessions, _ = data
+    assert from_arrow(to_arrow(sessions)) == sessions
+
+
+def test_arrow_round_trip_keeps_everything_and_shares_memory(tmp_path):
+    routed = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
+    sessions = [
+        Session(
+            5,
+            -1,
+            3,
+            2,
+            [
+                good_call(log_probs=[-0.25, -0.125], routed_experts=routed, support=[[4, 0], [5]]),
+                good_call(sampled_ids=[], behavior_log_probs=[], finish_reason="abort", version=7),
+            ],
+            "AGENT_ERROR",
+            0.25,
+            {"tests": 0.5, "format": 1.0},
+            "tool call malformed",
+        ),
+        Session(6, 0, 0, 0, [], "INFRA_ERROR", None, {}, "engine down"),
+    ]
+    record = to_arrow(sessions)
+    back = from_arrow(record)
+    assert back == sessions
+    assert back[0].calls[0].routed_experts.dtype == np.uint8
+    assert back[1].reward is None and back[0].components == {"tests": 0.5, "format": 1.0}
+    # reading back is zero-copy: the call arrays point into the batch's buffers
+    calls = record.column("calls").values
+    for field, array in (
+        ("prompt_ids", back[0].calls[1].prompt_ids),
+        ("behavior_log_probs", back[0].calls[0].behavior_log_probs),
+        ("raw_log_probs", back[0].calls[0].log_probs),
+    ):
+        buffer = calls.field(field).values.buffers()[1]
+        address = array.__array_interface__["data"][0]
+        assert buffer.address <= address < buffer.address + buffer.size, field
+    assert not back[0].calls[0].sampled_ids.flags.writeable
+    path = batches.write_parquet(tmp_path / "sessions.parquet", record)
+    table = batches.read_parquet(path, schema=record.schema)
+    assert from_arrow(table.to_batches()[0]) == sessions
+
+
+def test_arrow_refuses_what_it_cannot_hold():
+    a = good_call(routed_experts=np.zeros((2, 3, 2), np.int16))
+    b = good_call(routed_experts=np.zeros((2, 4, 2), np.int16))
+    with pytest.raises(ValueError, match=r"routed_experts"):
+        to_arrow([Session(0, 0, 0, 0, [a, b], "COMPLETED", 1.0)])
+    with pytest.raises(ValueError, match="does not fit the sessions schema"):
+        to_arrow([Session(0, 2**40, 0, 0, [], "COMPLETED", 1.0)])
+    with pytest.raises(TypeError, match=r"sessions\[0\]: expected a Session"):
+        to_arrow(["x"])
+    # a batch whose rows fail validation names the row
+    rows = [
+        {
+            "task_id": 0,
+            "group": 0,
+            "sample": 0,
+            "attempt": 0,
+            "status": "COMPLETED",
+            "reward": 1.0,
+            "calls": [
+                {
+                    "prompt_ids": [],
+                    "sampled_ids": [1],
+                    "behavior_log_probs": [-1.0],
+                    "finish_reason": "stop",
+                    "version": 0,
+                }
+            ],
+        }
+    ]
+    with pytest.raises(
+        ValueError, match=r"sessions batch row 0: Call.prompt_ids: expected at least one id"
+    ):
+        from_arrow(batches.sessions_to_arrow(rows))

@@ -62,12 +62,15 @@ Each row lists the supports of its sampled ids back to back in column order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dew_pipe.objectives.rl.advantages import ESTIMATORS, compute_advantages
 from dew_pipe.objectives.rl.sessions import Call, Session, Status
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["TRUNCATIONS", "chain_lengths", "pack", "rows_needed", "session_chains"]
 
@@ -271,7 +274,9 @@ def pack(
     estimator: str = "group",
     truncation: str = "mask",
     support_capacity: int | None = None,
-) -> dict[str, np.ndarray]:
+    *,
+    arrow: bool = False,
+) -> dict[str, np.ndarray] | pa.RecordBatch:
     """Build one packed training batch from sessions (see the module docstring for columns).
 
     Args:
@@ -284,10 +289,14 @@ def pack(
         support_capacity: entries per row of ``support_ids``/``support_columns``; required
             when any call recorded a support. Given without any support, the columns are
             still written (all -1), so a stream keeps one shape.
+        arrow: return the Arrow packed-rows batch of :mod:`dew_pipe.batches` instead; it
+            shares the arrays' memory, and ``batches.packed_from_arrow`` gives the same
+            arrays back without a copy.
 
     Returns:
         ``{name: array}`` with every column ``[rows, width]`` (routing
-        ``[rows, width, layers, top_k]``, support ``[rows, support_capacity]``).
+        ``[rows, width, layers, top_k]``, support ``[rows, support_capacity]``), or that
+        batch as a ``pyarrow.RecordBatch`` when ``arrow`` is true.
 
     Raises:
         TypeError: a session is not a Session.
@@ -333,6 +342,10 @@ def pack(
         batch.update(_routing(sessions, placed, *routing))
     if support_capacity is not None:
         batch.update(_support(sessions, placed, int(support_capacity)))
+    if arrow:
+        from dew_pipe.batches import packed_to_arrow  # pyarrow only when asked for
+
+        return packed_to_arrow(batch)
     return batch
 
 

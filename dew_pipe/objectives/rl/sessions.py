@@ -5,8 +5,9 @@ and the likelihoods it reported for them. A :class:`Session` is one run of a har
 :class:`Task`: its calls in submission order, how it ended (:class:`Status`) and what the
 verifier said. A :class:`SessionSource` turns tasks into futures of sessions.
 
-These records are the in-memory API; :func:`pack` (importable from here) turns a list of
-sessions into packed training rows.
+These records are the in-memory API. Importable from here too: :func:`pack` turns a list of
+sessions into packed training rows, :func:`to_arrow` / :func:`from_arrow` move sessions
+across stages and files as the Arrow sessions batch of :mod:`dew_pipe.batches`.
 
 Arrays held by a record are NumPy arrays that the record never writes to: ids are int32,
 likelihoods float32, routing keeps the engine's integer dtype. Records compare equal when
@@ -26,6 +27,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # defined in modules that import this one; see __getattr__ below
     from dew_pipe.objectives.rl.packing import chain_lengths, pack, rows_needed
+    from dew_pipe.objectives.rl.session_arrow import from_arrow, to_arrow
     from dew_pipe.objectives.rl.session_stats import session_metrics
 
 __all__ = [
@@ -35,9 +37,11 @@ __all__ = [
     "Status",
     "Task",
     "chain_lengths",
+    "from_arrow",
     "pack",
     "rows_needed",
     "session_metrics",
+    "to_arrow",
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -48,6 +52,8 @@ _LAZY = {
     "chain_lengths": "dew_pipe.objectives.rl.packing",
     "rows_needed": "dew_pipe.objectives.rl.packing",
     "session_metrics": "dew_pipe.objectives.rl.session_stats",
+    "to_arrow": "dew_pipe.objectives.rl.session_arrow",
+    "from_arrow": "dew_pipe.objectives.rl.session_arrow",
 }
 
 
