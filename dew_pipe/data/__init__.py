@@ -15,6 +15,11 @@ _LAZY: dict[str, str] = {
     "Loading": "dew_pipe.data.dataset",
     "Partition": "dew_pipe.data.dataset",
     "Prefetch": "dew_pipe.data.dataset",
+    "ChatMessages": "dew_pipe.data.chat",
+    "Role": "dew_pipe.data.chat",
+    "build_tokenizer": "dew_pipe.data.tokenizer",
+    "generate_stories": "dew_pipe.data.stories",
+    "story_tokenizer": "dew_pipe.data.stories",
 }
 
 __all__ = sorted(_LAZY)
