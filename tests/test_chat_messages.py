@@ -70,6 +70,13 @@ def test_parquet_with_json_string_columns_matches_recorded(tmp_path):
     pq.write_table(table, tmp_path / "c.parquet")
     data = ChatMessages(TOKENIZER_DIR, tmp_path / "c.parquet", seq_len=511)
     _check_recorded(data, cases)
+    # Native nested columns: Parquet fills fields a struct lacks with nulls, which are dropped.
+    native = [cases[0], cases[2]]
+    table = pa.table(
+        {"messages": [c["messages"] for c in native], "tools": [None, cases[2]["tools"]]}
+    )
+    pq.write_table(table, tmp_path / "native.parquet")
+    _check_recorded(ChatMessages(TOKENIZER_DIR, tmp_path / "native.parquet", seq_len=511), native)
 
 
 def test_second_template_matches_recorded(tmp_path, recorded_tokenizer):
@@ -331,6 +338,10 @@ def test_bad_rows_files_and_settings(tmp_path):
         ChatMessages(TOKENIZER_DIR, not_list, seq_len=63).tokenized()
     with pytest.raises(ValueError, match="seq_len is 0; expected an int >= 1"):
         ChatMessages(TOKENIZER_DIR, not_list, seq_len=0)
+    with pytest.raises(ValueError, match="batch is 0; expected an int >= 1"):
+        ChatMessages(TOKENIZER_DIR, not_list, seq_len=8).load(batch=0)
+    with pytest.raises(TypeError, match="batch is float 2.0; expected an int"):
+        ChatMessages(TOKENIZER_DIR, not_list, seq_len=8).load(batch=2.0)
     with pytest.raises(TypeError, match="tokenizer is int; expected a Hub name"):
         ChatMessages(3, not_list, seq_len=8)
     broken = AutoTokenizer.from_pretrained(TOKENIZER_DIR)

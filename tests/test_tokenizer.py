@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dew_pipe.data.chat import Role, tokenize_conversation
-from dew_pipe.data.stories import DOG_PROMPT, dog_rate, generate_stories, story_tokenizer
+from dew_pipe.data.stories import DOG_PROMPT, dog_rate, generate_stories
 from dew_pipe.data.tokenizer import CHAT_TEMPLATE, TOOL_TOKENS, build_tokenizer, chat_samples
 
 TEXTS = generate_stories(300, seed=5) + chat_samples()
@@ -169,7 +169,7 @@ def test_story_tokenizer_covers_the_corpus_compactly(story_tokenizer_dir):
     tokens = sum(len(tokenizer.encode(s)) for s in stories)
     words = sum(len(s.split()) for s in stories)
     assert tokens / words < 1.4  # whole words, plus punctuation
-    assert len(tokenizer) == len(story_tokenizer(count=3000))
+    assert 600 <= len(tokenizer) <= 1024  # the corpus runs out of frequent pairs before 1024
 
 
 @pytest.mark.parametrize("module", ["tokenizer", "stories"])

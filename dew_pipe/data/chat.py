@@ -369,11 +369,14 @@ class ChatMessages:
         Raises:
             ValueError: reading and rendering errors naming the row (see the class docstring),
                 or ``batch`` below 1.
+            TypeError: ``batch`` is not an int.
         """
         from dew_pipe.data.packing import RowBatches, padded_batches
 
-        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-            raise ValueError(f"batch is {batch!r}; expected an int >= 1")
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)):
+            raise TypeError(f"batch is {type(batch).__name__} {batch!r}; expected an int")
+        if batch < 1:
+            raise ValueError(f"batch is {batch}; expected an int >= 1")
         train = self._packed("train")
         val = self._packed("val") if self.val_path is not None else None
 
