@@ -473,3 +473,16 @@ def test_bad_cache_arguments_name_the_field(cached):
         model.init_cache(0, 4)
     logits, new = call(cache=cache, cache_index=3)  # a scalar index serves every row
     assert logits.shape == (2, 4, VOCAB) and new["positions"].shape == (2, 8)
+
+
+def test_a_float32_cache_serves_a_bfloat16_model(small):
+    _, variables, _ = small
+    bf16 = models.build("causal_transformer", **dict(SMALL, dtype=jnp.bfloat16))
+    cache = bf16.init_cache(2, 8, dtype=jnp.float32)
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    logits, new = jax.eval_shape(
+        lambda v, c: bf16.apply(v, tokens, cache=c, cache_index=jnp.zeros(2, jnp.int32)),
+        variables,
+        cache,
+    )
+    assert logits.dtype == jnp.float32 and new["key"].dtype == jnp.float32

@@ -350,16 +350,20 @@ class Pretrained:
         if params is None:
             raise ValueError("variables has no 'params' collection; expected {'params': ...}")
         out: dict[str, np.ndarray] = {}
+        host: dict[tuple[str, ...], np.ndarray] = {}  # one device-to-host copy per leaf
         for name, entry in _entries(self.model).items():
-            leaf = _get(params, entry.path)
-            if leaf is None:
-                raise ValueError(f"variables lack params/{'/'.join(entry.path)} (for {name})")
-            value = np.asarray(jax.device_get(leaf))
+            if entry.path not in host:
+                leaf = _get(params, entry.path)
+                if leaf is None:
+                    raise ValueError(f"variables lack params/{'/'.join(entry.path)} (for {name})")
+                host[entry.path] = np.asarray(jax.device_get(leaf))
+            value = host[entry.path]
+            full_shape = value.shape
             if entry.layer is not None:
                 value = value[entry.layer] if value.ndim == len(entry.shape) + 1 else None
             if value is None or _hf_shape(value.shape, entry.transpose) != entry.shape:
                 raise ValueError(
-                    f"params/{'/'.join(entry.path)} has shape {np.shape(leaf)}; it does not "
+                    f"params/{'/'.join(entry.path)} has shape {full_shape}; it does not "
                     f"give {name} its shape {entry.shape}"
                 )
             value = value.T if entry.transpose else value

@@ -92,8 +92,9 @@ class Attention(nn.Module):
         q = attention.apply_rotary(q, cos, sin) * jnp.asarray(d**-0.5, q.dtype)
         k = attention.apply_rotary(k, cos, sin)
         parts = [(k, v, context["mask"])]
-        if layer_cache is not None:
-            parts.insert(0, (layer_cache[0], layer_cache[1], context["cache_mask"]))
+        if layer_cache is not None:  # a cache may be kept in another dtype than the compute
+            cached_k, cached_v = (c.astype(q.dtype) for c in layer_cache)
+            parts.insert(0, (cached_k, cached_v, context["cache_mask"]))
         out = attention.attend(q, parts).reshape(batch, length, H * d)
         new_entries = None if layer_cache is None else (k, v)
         return _dense(out, o_w), new_entries
