@@ -109,9 +109,15 @@ def _tensor_specs(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def _config(directory: Path) -> dict:
+LEGACY = ("rope_theta", "rope_scaling", "torch_dtype")
+
+
+def _config(directory: Path, legacy: bool = True) -> dict:
     config = json.loads((directory / "config.json").read_text())
     config.pop("transformers_version", None)
+    if not legacy:
+        for key in LEGACY:
+            config.pop(key, None)
     return config
 
 
@@ -120,7 +126,12 @@ def test_float32_save_reproduces_what_transformers_wrote(loaded, name, tmp_path)
     pretrained = loaded[name]
     pretrained.save(pretrained.variables, tmp_path)
     assert _tensor_specs(tmp_path) == _tensor_specs(HF / name)
-    assert _config(tmp_path) == _config(HF / name)
+    ours = _config(tmp_path)
+    assert _config(tmp_path, legacy=False) == _config(HF / name)
+    # Pre-5.0 spellings for servers on transformers 4, consistent with the new ones:
+    rope = dict(ours["rope_parameters"])
+    assert ours["rope_theta"] == rope.pop("rope_theta") and ours["torch_dtype"] == "float32"
+    assert ours["rope_scaling"] == (None if rope["rope_type"] == "default" else rope)
     theirs = {}
     for file in (HF / name).glob("*.safetensors"):
         theirs.update(load_file(file))

@@ -424,7 +424,7 @@ class Pretrained:
         _remove_stale(target, set(shards) | ({INDEX_FILE} if len(shards) > 1 else set()))
         config = self.config.__class__.from_dict(self.config.to_dict())
         config.dtype = str(next(iter(tensors.values())).dtype)
-        text = config.to_json_string(use_diff=True)
+        text = _with_legacy_keys(config.to_json_string(use_diff=True))
         written.append(_atomic(target / "config.json", lambda p: Path(p).write_text(text)))
         written += self._copy_companions(target)
         return written
@@ -439,6 +439,21 @@ class Pretrained:
                     _atomic(target / name, lambda p, n=name: shutil.copyfile(self.source / n, p))
                 )
         return copied
+
+
+def _with_legacy_keys(text: str) -> str:
+    """Adds the pre-5.0 spellings (``rope_theta``, ``rope_scaling``, ``torch_dtype``) to a
+    transformers 5 config.json, so servers built on transformers 4 (older vLLM and SGLang)
+    read the same rotary base and dtype instead of silently falling back to defaults.
+    transformers 5 reads either spelling."""
+    config = json.loads(text)
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    if "dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def _shard(tensors: Mapping[str, np.ndarray], limit: int) -> dict[str, list[str]]:
