@@ -353,3 +353,17 @@ def test_save_and_export_refuse_bad_arguments(loaded, tmp_path):
     model = loaded["qwen3_gqa_tied"].model
     with pytest.raises(ValueError, match="LlamaForCausalLM has no q/k norm"):
         Pretrained.from_model(model, None, architecture="LlamaForCausalLM")
+
+
+def test_pre_5_config_spellings_are_read(tmp_path, loaded):
+    """Hub checkpoints written by transformers 4 (rope_theta/rope_scaling/torch_dtype)."""
+    for name in ("qwen3_gqa_tied", "llama_tied_llama3_rope"):
+        directory = _copy(name, tmp_path / name)
+        config = json.loads((directory / "config.json").read_text())
+        rope = config.pop("rope_parameters")
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        config["torch_dtype"] = config.pop("dtype")
+        (directory / "config.json").write_text(json.dumps(config))
+        again = load_pretrained(directory)
+        assert again.model.config == loaded[name].model.config
