@@ -266,6 +266,14 @@ def test_prefill_then_decode_equals_full_forward(cached):
         variables, cache, tokens[:, :4], ones, np.tile(np.arange(4), (2, 1)), np.zeros(2, np.int32)
     )
     np.testing.assert_allclose(logits, want[:, :4], atol=1e-5)
+    hidden, same = jax.jit(
+        lambda v, c: model.apply(
+            v, tokens[:, :4], cache=c, cache_index=jnp.zeros(2, jnp.int32), method="features"
+        )
+    )(variables, model.init_cache(2, CACHE_SLOTS))
+    head = jax.jit(lambda v, h: model.apply(v, h, method="logits"))(variables, hidden[:, -1])
+    np.testing.assert_allclose(head, want[:, 3], atol=1e-5)  # features + logits, cached
+    np.testing.assert_array_equal(same["positions"], cache["positions"])
     for t in range(4, 11):
         pos = np.full((2, 1), t, np.int32)
         logits, cache = step(
