@@ -182,7 +182,7 @@ def test_features_and_logits_compose(small):
 def test_gradients_are_finite_with_padding_and_remat_matches():
     cfg = dict(SMALL, num_layers=2, max_seq_len=8)
     plain = models.build("causal_transformer", **cfg)
-    remat = models.build("causal_transformer", **dict(cfg, remat=True, scan_unroll=2))
+    remat = models.build("causal_transformer", **dict(cfg, remat="dots_saveable"))
     variables = _random_params(plain, 7)
     tokens = _tokens(8, (2, 8))
     segments = np.array([[1, 1, 1, 2, 2, 0, 0, 0], [0] * 8], np.int32)
@@ -200,6 +200,14 @@ def test_gradients_are_finite_with_padding_and_remat_matches():
     np.testing.assert_allclose(value_r, value, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_layer_scan_gives_the_same_logits(small):
+    _, variables, forward = small
+    unrolled = models.build("causal_transformer", **dict(SMALL, scan_unroll=2))
+    tokens = _tokens(19, (2, 10))
+    got = jax.jit(unrolled.apply)(variables, tokens)
+    np.testing.assert_allclose(got, np.asarray(forward(variables, tokens)), atol=1e-5)
 
 
 def test_bfloat16_compute_is_close_to_float32(small):
