@@ -21,6 +21,10 @@ _LAZY: dict[str, str] = {
     "rows_needed": "dew_pipe.objectives.rl.packing",
     "session_metrics": "dew_pipe.objectives.rl.session_stats",
     "compute_advantages": "dew_pipe.objectives.rl.advantages",
+    # GRPO objective and its policy loss
+    "GRPOObjective": "dew_pipe.objectives.rl.grpo",
+    "PolicyOptions": "dew_pipe.objectives.rl.policy",
+    "policy_loss": "dew_pipe.objectives.rl.policy",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,371 @@
+"""GRPO on packed rows: score each sampled id against its own chain, then the policy loss.
+
+A packed batch (``[N, W]`` columns, see :mod:`dew_pipe.objectives.rl.packing`) holds
+chains back to back; the decoder reads them through ``text_segment_ids`` and
+``text_positions``, so every id is scored against its own chain's prefix only and
+packing changes nothing but the layout (``tests/test_packed_grpo.py`` checks the loss
+and its gradients against one chain per row). The per-token arrays then go through
+:func:`dew_pipe.objectives.rl.policy.policy_loss`, which holds the clipped surrogate,
+the behavior corrections, the aggregation and the k3 KL term.
+
+Scoring at a sampling temperature (``sampling_temperature=T``) divides the logits the
+model returns (after any softcap it applies) by ``T``; where the batch carries
+``support_ids``/``support_columns`` the distribution of a sampled id is renormalised over
+the ids the sampler kept for it, the sampled id always included (slime's top-p replay).
+The entropy metric reads the temperature-scaled logits without that restriction.
+
+Validation (``evaluate``) scores prompt perplexity: the mean negative log-likelihood of
+the raw model over real next-token transitions that the sampler did not draw, in packed
+batches (prompts and observations) and in prompt batches (``prompt``/``prompt_length``,
+left padded).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_pipe.objectives.base import Variables, check_variables
+from dew_pipe.objectives.rl import losses as L
+from dew_pipe.objectives.rl.grpo_batches import (
+    check_packed_layout,
+    check_prompt_layout,
+    validate_packed,
+    validate_prompts,
+)
+from dew_pipe.objectives.rl.policy import PolicyOptions, policy_loss
+
+__all__ = ["GRPOObjective", "prompt_rows", "token_log_probs"]
+
+
+def token_log_probs(
+    logits: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float | None = None,
+    keep: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probability of each target and the entropy of its distribution.
+
+    Args:
+        logits: ``[..., V]`` float logits predicting ``targets``.
+        targets: ``[...]`` int ids.
+        temperature: divide the logits by it first (None: 1).
+        keep: ``[..., V]`` bool support to renormalise over (None: the whole vocabulary);
+            the target is always kept.
+
+    Returns:
+        ``(log_probs, entropy)``, both ``[...]``; the entropy ignores ``keep`` and is
+        not differentiated.
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature is not None:
+        logits = logits / temperature
+    entropy = jax.lax.stop_gradient(_entropy(logits))
+    if keep is not None:
+        keep = keep | jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.bool_)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)
+    return picked[..., 0], entropy
+
+
+def _entropy(logits: jax.Array) -> jax.Array:
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+def _support_keep(batch: Mapping[str, jax.Array], vocab: int) -> jax.Array:
+    """``[N, W - 1, V]`` bool: the kept ids at each prediction that recorded a support.
+
+    Predictions without any support entry keep the whole vocabulary.
+    """
+    ids, columns = batch["support_ids"], batch["support_columns"]
+    rows, width = batch["input_ids"].shape
+    row = jnp.broadcast_to(jnp.arange(rows)[:, None], ids.shape)
+    # The logits predicting column c sit at c - 1; padding (-1) and column 0 fall outside.
+    at = jnp.where(columns >= 1, columns - 1, width)
+    keep = jnp.zeros((rows, width - 1, vocab), jnp.bool_)
+    keep = keep.at[row, at, jnp.maximum(ids, 0)].set(True, mode="drop")
+    present = jnp.zeros((rows, width - 1), jnp.bool_).at[row, at].set(True, mode="drop")
+    return keep | ~present[..., None]
+
+
+def prompt_rows(prompt: jax.Array, prompt_length: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Segment ids and positions of left-padded prompts ``[B, P]``.
+
+    Returns:
+        ``(segment_ids, positions)``: 1 on the last ``prompt_length`` ids of each row and
+        0 on its padding; positions count from 0 at each row's first real id.
+    """
+    width = prompt.shape[1]
+    start = (width - prompt_length)[:, None]
+    columns = jnp.arange(width)[None, :]
+    real = columns >= start
+    return real.astype(jnp.int32), jnp.where(real, columns - start, 0).astype(jnp.int32)
+
+
+class GRPOObjective:
+    """Group-relative policy optimisation of a causal decoder on packed rows.
+
+    Args:
+        model: a Flax linen decoder called as ``model.apply(variables, tokens, segment_ids,
+            positions) -> logits [B, S, V]`` (``models.build("causal_transformer", ...)``).
+        seq_len: ``W - 1`` for packed rows ``[N, W]`` (one fewer for the next-token shift).
+        beta: coefficient of the k3 KL penalty against the frozen reference; a positive
+            value keeps the starting weights in the EMA slot with decay 1.
+        pretrained: starting variables ``{"params": ...}``: copied at init and, when
+            ``beta > 0``, frozen as the reference. None initializes randomly.
+        epsilon_low, epsilon_high, dual_clip, policy_loss, aggregation,
+        behavior_importance, sequence_mask, geometric_mask: see
+            :class:`~dew_pipe.objectives.rl.policy.PolicyOptions`.
+        sampling_temperature: score sampled ids at this temperature (and over their
+            recorded ``support_ids``); None scores the raw model, as ``old_log_probs``
+            records it.
+
+    Raises:
+        TypeError: a model without ``init``/``apply``, or a ``pretrained`` that is not a mapping.
+        ValueError: an option out of range, naming it; ``seq_len`` beyond the model's
+            ``max_seq_len``; ``pretrained`` whose leaves do not match the model.
+
+    Example:
+        >>> objective = GRPOObjective(model, seq_len=15, beta=0.01,
+        ...                           pretrained=variables)  # doctest: +SKIP
+        >>> loss, metrics = objective.loss(variables, batch, key, ema=variables)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        seq_len: int,
+        beta: float = 0.0,
+        pretrained: Variables | None = None,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        dual_clip: float | None = 3.0,
+        policy_loss: str = "ppo",
+        aggregation: str = "token-mean",
+        behavior_importance: float | tuple[float, float] | None = None,
+        sequence_mask: tuple[float, float] | None = None,
+        geometric_mask: tuple[float, float] | None = None,
+        sampling_temperature: float | None = None,
+    ) -> None:
+        if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
+            raise TypeError(f"model is a {type(model).__name__}; expected a Flax linen Module")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
+            raise ValueError(f"seq_len={seq_len!r}; expected an int >= 1")
+        config = getattr(model, "config", None)
+        max_len = getattr(config, "max_seq_len", None)
+        if max_len is not None and seq_len > max_len:
+            raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_len}")
+        if sampling_temperature is not None and (
+            isinstance(sampling_temperature, bool)
+            or not isinstance(sampling_temperature, int | float)
+            or not 0 < sampling_temperature < math.inf
+        ):
+            raise ValueError(
+                f"sampling_temperature={sampling_temperature!r}; expected None or a number > 0"
+            )
+        self.options = PolicyOptions(
+            beta=beta,
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            dual_clip=dual_clip,
+            policy_loss=policy_loss,
+            aggregation=aggregation,
+            behavior_importance=behavior_importance,
+            sequence_mask=sequence_mask,
+            geometric_mask=geometric_mask,
+        )
+        self.model = model
+        self.seq_len = int(seq_len)
+        self.beta = float(beta)
+        self.sampling_temperature = (
+            None if sampling_temperature is None else float(sampling_temperature)
+        )
+        self.vocab_size = getattr(config, "vocab_size", None)
+        self.pretrained = None
+        if pretrained is not None:
+            self.pretrained = check_variables(pretrained, "pretrained")
+            self._check_pretrained()
+
+    @property
+    def ema_decay(self) -> float | None:
+        """1.0 (a frozen reference in the EMA slot) when ``beta > 0``, else None."""
+        return 1.0 if self.beta > 0 else None
+
+    # ------------------------------------------------------------------ variables
+
+    def _example(self) -> jax.Array:
+        return jnp.zeros((1, self.seq_len), jnp.int32)
+
+    def _check_pretrained(self) -> None:
+        expected = jax.eval_shape(self.model.init, jax.random.key(0), self._example())
+        want = {
+            jax.tree_util.keystr(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]
+        }
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.pretrained)[0]:
+            name = jax.tree_util.keystr(path)
+            if name not in want:
+                raise ValueError(f"pretrained has {name}, which the model does not define")
+            shape = want.pop(name)
+            if tuple(np.shape(leaf)) != shape:
+                raise ValueError(
+                    f"pretrained{name} has shape {tuple(np.shape(leaf))}; the model expects {shape}"
+                )
+        if want:
+            raise ValueError(f"pretrained lacks {next(iter(want))}, which the model defines")
+
+    def init(self, key: jax.Array) -> Variables:
+        """A copy of ``pretrained``, or a random initialization from ``key``."""
+        if self.pretrained is not None:
+            # A copy: the trainer donates its parameters, the caller keeps theirs.
+            return jax.tree.map(jnp.array, self.pretrained)
+        return self.model.init(key, self._example())
+
+    def reference(self, params: Variables) -> Variables:
+        """What the EMA slot starts as: ``pretrained`` when given, else ``params``."""
+        source = self.pretrained if self.pretrained is not None else params
+        return jax.tree.map(jnp.array, source)
+
+    # ------------------------------------------------------------------ scoring
+
+    def _score(
+        self, variables: Variables, batch: Mapping[str, jax.Array], temperature: float | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per-id log-probabilities, entropies and scorable mask, all ``[N, W]``."""
+        ids, segments = batch["input_ids"], batch["text_segment_ids"]
+        positions = batch["text_positions"]
+        logits = self.model.apply(variables, ids[:, :-1], segments[:, :-1], positions[:, :-1])
+        keep = None
+        if temperature is not None and "support_ids" in batch:
+            keep = _support_keep(batch, logits.shape[-1])
+        log_probs, entropy = token_log_probs(logits, ids[:, 1:], temperature=temperature, keep=keep)
+        scorable = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+        pad = jnp.zeros((ids.shape[0], 1), bool)
+        scorable = jnp.concatenate([pad, scorable], axis=1)
+        log_probs = jnp.concatenate([pad.astype(log_probs.dtype), log_probs], axis=1)
+        entropy = jnp.concatenate([pad.astype(entropy.dtype), entropy], axis=1)
+        return jnp.where(scorable, log_probs, 0.0), jnp.where(scorable, entropy, 0.0), scorable
+
+    def packed_log_probs(self, params: Variables, batch: Mapping[str, jax.Array]) -> jax.Array:
+        """Log-probability of every id given its own chain's prefix, ``[N, W]`` float32.
+
+        Scored at ``sampling_temperature`` (and over ``support_ids``) when set, as the loss
+        scores the current policy; 0 where an id starts its chain or is padding. A
+        scheduler that rescores the proximal policy stores this as ``old_log_probs``.
+
+        Raises:
+            ValueError: a missing column or a shape that is not ``[N, seq_len + 1]``.
+        """
+        check_packed_layout(batch, self.seq_len, self.options, require_policy=False)
+        return self._score(params, batch, self.sampling_temperature)[0]
+
+    # ------------------------------------------------------------------ protocol
+
+    def loss(
+        self,
+        params: Variables,
+        batch: Mapping[str, jax.Array],
+        key: jax.Array,
+        ema: Variables | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The GRPO loss of one packed batch.
+
+        Returns:
+            ``(loss, metrics)``: the metrics of
+            :func:`~dew_pipe.objectives.rl.policy.policy_loss` plus ``loss`` and
+            ``entropy`` (token mean over the trainable tokens).
+
+        Raises:
+            ValueError: at trace time, a missing column or wrong shape, a TIS cap on a
+                batch without ``old_log_probs``, or ``beta > 0`` without ``ema``.
+        """
+        del key
+        check_packed_layout(batch, self.seq_len, self.options)
+        if self.beta > 0 and ema is None:
+            raise ValueError(
+                f"ema: GRPOObjective(beta={self.beta}) needs the frozen reference in the EMA "
+                "slot; the trainer passes it when ema_decay is 1.0"
+            )
+        log_prob, entropy, _ = self._score(params, batch, self.sampling_temperature)
+        ref = None
+        if self.beta > 0:
+            ref, _, _ = self._score(jax.lax.stop_gradient(ema), batch, self.sampling_temperature)
+        chains = L.chain_ids(batch["text_segment_ids"])
+        value, metrics = policy_loss(
+            self.options,
+            log_prob,
+            advantages=batch["advantages"],
+            response_mask=batch["response_mask"],
+            behavior_log_prob=batch["behavior_log_probs"],
+            old_log_prob=batch.get("old_log_probs"),
+            ref_log_prob=ref,
+            chains=chains,
+            sessions=batch.get("session_index"),
+        )
+        metrics["loss"] = jax.lax.stop_gradient(value)
+        metrics["entropy"] = L.masked_mean(entropy, batch["response_mask"].astype(jnp.float32))
+        return value, metrics
+
+    def evaluate(self, params: Variables, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Prompt perplexity sums over one batch: ``nll`` and ``tokens``.
+
+        Packed batches count real transitions inside a chain whose target was not sampled;
+        prompt batches (``prompt``, ``prompt_length``) count the transitions inside each
+        prompt. The raw model scores them (no temperature).
+        """
+        if "input_ids" in batch:
+            check_packed_layout(batch, self.seq_len, self.options, require_policy=False)
+            log_probs, _, counted = self._score(params, batch, None)
+            if "response_mask" in batch:
+                counted = counted & (batch["response_mask"] == 0)
+        else:
+            check_prompt_layout(batch, self.seq_len)
+            prompt = batch["prompt"]
+            segments, positions = prompt_rows(prompt, batch["prompt_length"])
+            rows = {"input_ids": prompt, "text_segment_ids": segments, "text_positions": positions}
+            log_probs, _, counted = self._score(params, rows, None)
+        return {
+            "nll": -jnp.sum(jnp.where(counted, log_probs, 0.0)),
+            "tokens": jnp.sum(counted, dtype=jnp.float32),
+        }
+
+    def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
+        """Mean prompt NLL (``loss``), ``perplexity`` and ``tokens``.
+
+        Raises:
+            ValueError: when no transition was counted.
+        """
+        tokens = float(totals["tokens"])
+        if tokens <= 0:
+            raise ValueError(
+                "validation counted 0 prompt transitions; expected prompts of at least two "
+                "real ids (or packed chains with unsampled ids after their first)"
+            )
+        loss = float(totals["nll"]) / tokens
+        try:
+            perplexity = math.exp(loss)
+        except OverflowError:
+            perplexity = math.inf
+        return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
+
+    def validate(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Check a host batch (packed rows, or prompts for validation) before any compile.
+
+        Raises:
+            ValueError: naming the field, its shape or value, and what was expected:
+                missing or misaligned behavior likelihoods, sampled ids that have no
+                prefix in their chain, a TIS cap without recorded old log-probabilities,
+                ids outside the vocabulary, support entries off the sampled ids.
+        """
+        if "input_ids" not in batch and "prompt" in batch:
+            validate_prompts(batch, self.seq_len, self.vocab_size)
+            return
+        validate_packed(batch, self.seq_len, self.options, self.vocab_size)

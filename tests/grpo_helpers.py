@@ -1,0 +1,185 @@
+"""Small decoders, sessions and NumPy references for the GRPO objective tests.
+
+Imported by tests/test_grpo_objective.py and tests/test_packed_grpo.py; it must not
+import pytest. Everything here is deterministic from a NumPy seed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_pipe import models
+from dew_pipe.objectives.rl.sessions import Call, Session
+
+VOCAB = 13
+WIDTH = 16
+
+
+def tiny_decoder():
+    """The project's decoder at test size (one layer, 13 ids, 16 positions)."""
+    return models.build(
+        "causal_transformer",
+        vocab_size=VOCAB,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=WIDTH,
+    )
+
+
+def perturbed(variables, scale: float, seed: int):
+    """``variables`` plus Gaussian noise of ``scale`` (another policy close to the first)."""
+    leaves, tree = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [
+        x + scale * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(tree, noisy)
+
+
+def draw(
+    rng: np.random.Generator, prompt, n: int, *, raw: bool = True, support: bool = False
+) -> Call:
+    """A call drawing ``n`` ids with made-up behavior (and raw) log-probabilities."""
+    sampled = rng.integers(1, VOCAB, n)
+    behavior = -rng.uniform(0.05, 2.5, n)
+    raw_lp = behavior + rng.normal(0.0, 0.3, n) if raw else None
+    kept = None
+    if support:
+        kept = []
+        for token in sampled:
+            others = rng.choice(
+                [t for t in range(VOCAB) if t != token], size=int(rng.integers(1, 4)), replace=False
+            )
+            kept.append(np.concatenate([[token], others]))
+    return Call(list(prompt), sampled, behavior, "stop", 0, log_probs=raw_lp, support=kept)
+
+
+def single_call_sessions(
+    seed: int, count: int = 6, *, raw: bool = True, support: bool = False
+) -> list[Session]:
+    """``count`` one-call sessions over tasks of three samples, prompts of 2-5 ids."""
+    rng = np.random.default_rng(seed)
+    sessions = []
+    for i in range(count):
+        prompt = rng.integers(1, VOCAB, int(rng.integers(2, 6)))
+        call = draw(rng, prompt, int(rng.integers(1, 5)), raw=raw, support=support)
+        sessions.append(
+            Session(i // 3, 0, i % 3, 0, [call], "COMPLETED", reward=float(rng.normal()))
+        )
+    return sessions
+
+
+def multi_call_sessions(seed: int, *, raw: bool = True) -> list[Session]:
+    """Sessions of one to three calls: some calls extend their chain, some start a new one."""
+    rng = np.random.default_rng(seed)
+    sessions = []
+    for i in range(6):
+        prompt = list(rng.integers(1, VOCAB, int(rng.integers(2, 4))))
+        calls = [draw(rng, prompt, int(rng.integers(1, 4)), raw=raw)]
+        for _ in range(int(rng.integers(0, 3))):
+            last = calls[-1]
+            context = [*last.prompt_ids.tolist(), *last.sampled_ids.tolist()]
+            if rng.random() < 0.6 and len(context) + 5 <= WIDTH:
+                prompt = context + list(rng.integers(1, VOCAB, 1))  # extends: merges
+            else:
+                prompt = list(rng.integers(1, VOCAB, int(rng.integers(2, 5))))  # new chain
+            calls.append(draw(rng, prompt, int(rng.integers(1, 3)), raw=raw))
+        sessions.append(
+            Session(i // 3, 0, i % 3, 0, calls, "COMPLETED", reward=float(rng.normal()))
+        )
+    return sessions
+
+
+def one_call_per_row(sessions: list[Session], advantages: dict[int, float], width: int) -> dict:
+    """Each call alone in its own row (its prompt, then its draw), built without ``pack``.
+
+    ``advantages`` maps a session's index to its advantage. Columns follow pack's layout.
+    """
+    calls = [(i, k, call) for i, s in enumerate(sessions) for k, call in enumerate(s.calls)]
+    rows = len(calls)
+    out = {
+        "input_ids": np.zeros((rows, width), np.int32),
+        "text_segment_ids": np.zeros((rows, width), np.int32),
+        "text_positions": np.zeros((rows, width), np.int32),
+        "response_mask": np.zeros((rows, width), np.int32),
+        "old_log_probs": np.zeros((rows, width), np.float32),
+        "behavior_log_probs": np.zeros((rows, width), np.float32),
+        "advantages": np.zeros((rows, width), np.float32),
+        "session_index": np.full((rows, width), -1, np.int32),
+    }
+    for r, (i, _, call) in enumerate(calls):
+        ids = np.concatenate([call.prompt_ids, call.sampled_ids])
+        n, p = ids.size, call.prompt_ids.size
+        out["input_ids"][r, :n] = ids
+        out["text_segment_ids"][r, :n] = 1
+        out["text_positions"][r, :n] = np.arange(n)
+        out["response_mask"][r, p:n] = 1
+        out["old_log_probs"][r, p:n] = call.old_log_probs
+        out["behavior_log_probs"][r, p:n] = call.behavior_log_probs
+        out["advantages"][r, :n] = advantages[i]
+        out["session_index"][r, p:n] = i
+    return out
+
+
+def one_chain_per_row(batch: dict) -> dict:
+    """The chains of a packed batch, each moved alone to column 0 of its own row."""
+    segments = batch["text_segment_ids"]
+    chains = [(r, s) for r in range(segments.shape[0]) for s in np.unique(segments[r]) if s > 0]
+    width = segments.shape[1]
+    out = {}
+    for name, column in batch.items():
+        if column.shape[:2] != segments.shape:
+            continue
+        fill = -1 if name in ("session_index", "call_index", "versions") else 0
+        out[name] = np.full((len(chains), width), fill, column.dtype)
+        for j, (r, s) in enumerate(chains):
+            where = segments[r] == s
+            out[name][j, : where.sum()] = column[r, where]
+    out["text_segment_ids"] = (out["text_segment_ids"] > 0).astype(np.int32)
+    return out
+
+
+_APPLY: dict[int, object] = {}
+
+
+def apply(model, variables, ids, segments):
+    """``model.apply`` compiled once per model (the references call it many times)."""
+    if id(model) not in _APPLY:
+        _APPLY[id(model)] = jax.jit(model.apply)
+    return _APPLY[id(model)](variables, jnp.asarray(ids), jnp.asarray(segments))
+
+
+def chain_log_probs(model, variables, batch: dict, temperature: float = 1.0) -> np.ndarray:
+    """NumPy reference of packed_log_probs: every chain scored alone, full vocabulary.
+
+    Returns ``[N, W]`` with each id's log-probability given the ids before it in its chain
+    (0 at chain starts and on padding), and the per-prediction logits ``[N, W, V]``.
+    """
+    alone = one_chain_per_row(batch)
+    logits = np.asarray(apply(model, variables, alone["input_ids"], alone["text_segment_ids"]))
+    logits = logits.astype(np.float64)
+    logits = logits / temperature
+    log_probs = logits - np.log(
+        np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    )
+    log_probs -= logits.max(-1, keepdims=True)
+    segments = batch["text_segment_ids"]
+    out = np.zeros(segments.shape, np.float64)
+    full = np.zeros((*segments.shape, logits.shape[-1]), np.float64)
+    j = 0
+    for r in range(segments.shape[0]):
+        for s in np.unique(segments[r]):
+            if s == 0:
+                continue
+            columns = np.flatnonzero(segments[r] == s)
+            ids = batch["input_ids"][r, columns]
+            for k in range(1, columns.size):
+                out[r, columns[k]] = log_probs[j, k - 1, ids[k]]
+                full[r, columns[k]] = logits[j, k - 1]
+            j += 1
+    return out, full
