@@ -110,6 +110,11 @@ class Checkpoints:
                 f"checkpoint {self.directory / str(step)} has format {meta.get('format')!r}; "
                 f"expected {FORMAT}"
             )
+        if meta.get("rng_impl") != rng_impl:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory / str(step)} holds a {meta.get('rng_impl')!r} key; "
+                f"expected {rng_impl!r} (the trainer's key)"
+            )
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             jax.eval_shape(_to_tree, template),
@@ -124,19 +129,13 @@ class Checkpoints:
                 f"checkpoint {self.directory / str(step)} does not match this trainer's state "
                 f"(objective, optimizer, ema_decay or accumulate changed?): {error}"
             ) from error
-        impl = rng_impl
-        if meta.get("rng_impl") != impl:
-            raise CheckpointMismatchError(
-                f"checkpoint {self.directory / str(step)} holds a {meta.get('rng_impl')!r} key; "
-                f"expected {impl!r} (the trainer's key)"
-            )
         state = TrainState(
             step=tree["step"],
             updates=tree["updates"],
             params=tree["params"],
             opt_state=tree["opt_state"],
             ema=tree.get("ema"),
-            rng=jax.random.wrap_key_data(tree["rng"], impl=impl),
+            rng=jax.random.wrap_key_data(tree["rng"], impl=rng_impl),
         )
         return state, meta
 

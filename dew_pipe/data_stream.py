@@ -12,6 +12,7 @@ resume.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import deque
 from collections.abc import Iterator
@@ -66,15 +67,8 @@ class BatchStream:
     def _here(self) -> dict[str, Any]:
         here: dict[str, Any] = {"epoch": self._epoch, "in_epoch": self._in_epoch}
         if _resumable(self._iterator):
-            state = self._iterator.get_state()
-            try:
-                json.dumps(state)
-            except TypeError as error:
-                raise TypeError(
-                    f"the training iterator's get_state() returned {type(state).__name__}; "
-                    "expected a JSON-serializable value for checkpoints"
-                ) from error
-            here["iterator_state"] = state
+            # A deep copy: an iterator may hand out its live, mutable state.
+            here["iterator_state"] = copy.deepcopy(self._iterator.get_state())
         return here
 
     def _read(self) -> None:
@@ -121,8 +115,20 @@ class BatchStream:
         return self._ready[0][1]["epoch"] if self._ready else self._epoch
 
     def position(self) -> dict[str, Any]:
-        """Where the next unconsumed batch is, as a JSON-serializable dict."""
+        """Where the next unconsumed batch is, as a JSON-serializable dict.
+
+        Raises:
+            TypeError: when the iterator's ``get_state()`` is not JSON-serializable.
+        """
         here = self._ready[0][1] if self._ready else self._here()
+        state = here.get("iterator_state")
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"the training iterator's get_state() returned {type(state).__name__}; "
+                "expected a JSON-serializable value to store in the checkpoint"
+            ) from error
         return dict(here, consumed=self.consumed)
 
     def _close_iterator(self) -> None:

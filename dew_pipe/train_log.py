@@ -46,7 +46,9 @@ _FLAGS = ("finite", "committed")
 
 
 def _number(value: Any) -> float | int | None:
-    """A JSON-safe number: ints stay ints, non-finite floats become None."""
+    """A JSON-safe number: ints stay ints, None and non-finite floats become None."""
+    if value is None:
+        return None
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
     value = float(value)

@@ -197,6 +197,18 @@ def test_nan_guard_skip_consumes_the_batch_without_learning():
     assert_trees_equal((state.params, state.opt_state), (expected.params, expected.opt_state))
 
 
+def test_nan_guard_skip_inside_an_accumulation_window():
+    small, large = make_batch(11, counted=3), make_batch(12, counted=29)
+    joined = {k: np.concatenate([small[k], large[k]]) for k in small}
+    data = cycling([small, poisoned(large), large])
+    trainer = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, accumulate=2, nan_guard="skip")
+    state = trainer.fit(data, steps=3)
+    # the poisoned microbatch does not count toward the window of two
+    assert (int(state.step), int(state.updates)) == (3, 1)
+    single = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY).fit(cycling([joined]), steps=1)
+    np.testing.assert_allclose(state.params["params"]["w"], single.params["params"]["w"], rtol=1e-6)
+
+
 def test_nan_guard_off_applies_the_nan():
     trainer = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, nan_guard=False)
     state = trainer.fit(cycling([poisoned(BATCHES[0])]), steps=1)
@@ -331,6 +343,37 @@ def test_resume_uses_the_iterator_state_instead_of_replaying(tmp_path):
     assert_trees_equal(resumed.params, straight.params)
 
 
+def test_iterator_state_must_be_json_for_checkpoints(tmp_path):
+    class SetState(CountingBatches):
+        def get_state(self):
+            return {self.index}
+
+    data = Dataset(train=lambda partition: SetState(), val=None, records=None, batch=8)
+    state = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY).fit(data, steps=2)
+    assert int(state.step) == 2  # no checkpoint, no need to serialize
+    trainer = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, run_dir=tmp_path)
+    with pytest.raises(TypeError, match=r"get_state\(\) returned set; expected a JSON"):
+        trainer.fit(data, steps=2)
+
+
+@pytest.mark.parametrize(("rollout_ahead", "expected"), [(None, [2, 3, 4]), (2, [3, 4, 5])])
+def test_batches_are_read_ahead_of_the_rollout(rollout_ahead, expected):
+    seen = []
+
+    class Rollout:
+        def __call__(self, state, batch, key):
+            seen.append(CountingBatches.produced)
+            return batch
+
+    rollout = Rollout()
+    if rollout_ahead is not None:
+        rollout.read_ahead = rollout_ahead
+    CountingBatches.produced = 0
+    data = Dataset(train=lambda partition: CountingBatches(), val=None, records=None, batch=8)
+    Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, rollout=rollout).fit(data, steps=3)
+    assert seen == expected  # batch i is handed over once batches up to i + read_ahead are read
+
+
 def test_epochs_restart_the_data_and_resume_across_an_epoch_boundary(tmp_path):
     finite = Dataset(train=lambda partition: iter(BATCHES[:3]), val=None, records=24, batch=8)
     records = []
@@ -354,6 +397,10 @@ def test_checkpoint_of_another_setup_is_refused(tmp_path):
     )
     other = Trainer(MaskedRegression(ema_decay=0.9), optax.adam(1e-2), key=KEY, run_dir=tmp_path)
     with pytest.raises(ValueError, match="does not match this trainer's state"):
+        other.fit(cycling(BATCHES), steps=2)
+    rbg = jax.random.key(7, impl="rbg")
+    other = Trainer(MaskedRegression(), optax.adam(1e-2), key=rbg, run_dir=tmp_path)
+    with pytest.raises(ValueError, match="holds a 'threefry2x32' key; expected 'rbg'"):
         other.fit(cycling(BATCHES), steps=2)
 
 
