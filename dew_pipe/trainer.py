@@ -255,14 +255,20 @@ class Trainer:
         partition = Partition(jax.process_index(), jax.process_count())
         totals: dict[str, float] = {}
         count = 0
-        for batch in data.open_val(partition):
-            if batches is not None and count >= batches:
-                break
-            placed = self._place(batch, f"validation batch {count + 1}")
-            sums = jax.device_get(self._evaluate(state.params, placed))
-            for name, value in sums.items():  # float64 on the host: no drift over batches
-                totals[name] = totals.get(name, 0.0) + float(value)
-            count += 1
+        source = data.open_val(partition)
+        try:
+            for batch in source:
+                if batches is not None and count >= batches:
+                    break
+                placed = self._place(batch, f"validation batch {count + 1}")
+                sums = jax.device_get(self._evaluate(state.params, placed))
+                for name, value in sums.items():  # float64 on the host: no drift over batches
+                    totals[name] = totals.get(name, 0.0) + float(value)
+                count += 1
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
         if count == 0:
             raise ValueError("Dataset.val yielded no batches; expected at least one")
         return {name: float(value) for name, value in self.objective.summarize(totals).items()}
@@ -312,17 +318,21 @@ class Trainer:
         partition = Partition(jax.process_index(), jax.process_count())
         rows = partition.local_batch(data.batch)
         checkpoints = self._checkpoints()
-        meta: dict[str, Any] = {}
-        if state is None and checkpoints is not None and checkpoints.latest() is not None:
-            state, meta = self._restore(checkpoints)
-        elif state is None:
-            state = self.initial_state()
-        position = meta.get("data") or {"consumed": int(state.step)}
-        run = _Run(self, data, partition, rows, state, position, meta, checkpoints)
+        run = None
         try:
+            meta: dict[str, Any] = {}
+            if state is None and checkpoints is not None and checkpoints.latest() is not None:
+                state, meta = self._restore(checkpoints)
+            elif state is None:
+                state = self.initial_state()
+            position = meta.get("data") or {"consumed": int(state.step)}
+            run = _Run(self, data, partition, rows, state, position, meta, checkpoints)
             return run.loop(steps, log_every, eval_every, eval_batches)
         finally:
-            run.close()
+            if run is not None:
+                run.close()
+            elif checkpoints is not None:
+                checkpoints.close()
 
 
 class _Run:
