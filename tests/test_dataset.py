@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 
@@ -207,3 +209,17 @@ def test_prefetch_close_stops_the_thread_and_closes_the_source():
     assert not items._thread.is_alive()
     with pytest.raises(StopIteration):
         next(items)
+
+
+def test_importing_the_package_and_datasets_does_not_import_jax():
+    code = (
+        "import sys, dew_pipe; from dew_pipe import Dataset, Loading; "
+        "assert 'jax' not in sys.modules, 'jax imported'; "
+        "assert dew_pipe.Dataset is Dataset and 'Trainer' in dir(dew_pipe)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        import dew_pipe
+
+        dew_pipe.Nope  # noqa: B018
