@@ -106,7 +106,9 @@ class Trainer:
         rollout: ``batch = rollout(state, batch, key)`` runs on the host before each
             update and may replace the batch (sampling, rewards, packing). If it has an
             int attribute ``read_ahead``, the trainer keeps that many batches read
-            beyond the one handed to it (default 1).
+            beyond the one handed to it (default 1). The state's buffers are donated
+            to the update as soon as the rollout returns: a rollout that keeps using
+            ``state.params`` afterwards (a background engine, say) must copy them.
         run_dir: directory for ``metrics.jsonl`` and ``checkpoints/``; ``fit`` resumes
             from its newest checkpoint. ``None`` writes nothing.
         checkpoint_every: save every this many steps (and at the end of ``fit``). With a
