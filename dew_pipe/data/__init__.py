@@ -16,11 +16,13 @@ _LAZY: dict[str, str] = {
     "Partition": "dew_pipe.data.dataset",
     "Prefetch": "dew_pipe.data.dataset",
     "ChatMessages": "dew_pipe.data.chat",
+    "PreferencePairs": "dew_pipe.data.preference",
     "Role": "dew_pipe.data.chat",
     "Prompts": "dew_pipe.data.prompts",
     "decode_text_column": "dew_pipe.data.text_columns",
     "encode_text_column": "dew_pipe.data.text_columns",
     "build_tokenizer": "dew_pipe.data.tokenizer",
+    "digit_preferences": "dew_pipe.data.synthetic",
     "generate_stories": "dew_pipe.data.stories",
     "story_tokenizer": "dew_pipe.data.stories",
 }
