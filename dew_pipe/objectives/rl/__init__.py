@@ -10,6 +10,8 @@ import importlib
 from typing import Any
 
 _LAZY: dict[str, str] = {
+    # preference optimization
+    "DPOObjective": "dew_pipe.objectives.rl.dpo",
     # sessions and packing
     "Call": "dew_pipe.objectives.rl.sessions",
     "Session": "dew_pipe.objectives.rl.sessions",
