@@ -332,3 +332,38 @@ def test_trains_with_the_trainer(model, variables, batch):
     mask = batch["response_mask"].astype(bool)
     gain = ((after - before) * batch["advantages"])[mask].sum()
     assert gain > 0
+
+
+def test_support_scoring_gradient_matches_a_dense_mask(model, variables, support_batch):
+    """The segment-reduction scoring has the gradient of masking the vocabulary to -inf."""
+    objective = GRPOObjective(model, SEQ, sampling_temperature=0.7)
+    weights = jnp.asarray(np.random.default_rng(0).normal(size=support_batch["input_ids"].shape))
+
+    def dense(params):
+        ids = support_batch["input_ids"]
+        logits = model.apply(params, ids[:, :-1], support_batch["text_segment_ids"][:, :-1]) / 0.7
+        rows, steps, vocab = logits.shape
+        keep = np.zeros((rows, steps, vocab), bool)
+        present = np.zeros((rows, steps), bool)
+        for r, k in zip(*np.nonzero(support_batch["support_columns"] >= 1), strict=True):
+            c = support_batch["support_columns"][r, k]
+            keep[r, c - 1, support_batch["support_ids"][r, k]] = True
+            present[r, c - 1] = True
+        keep |= ~present[..., None]
+        keep |= np.eye(vocab, dtype=bool)[ids[:, 1:]]
+        log_probs = jax.nn.log_softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+        picked = jnp.take_along_axis(log_probs, jnp.asarray(ids[:, 1:, None]), axis=-1)[..., 0]
+        scorable = (
+            support_batch["text_segment_ids"][:, 1:] == support_batch["text_segment_ids"][:, :-1]
+        ) & (support_batch["text_segment_ids"][:, 1:] > 0)
+        return jnp.sum(jnp.where(scorable, picked, 0.0) * weights[:, 1:])
+
+    def ours(params):
+        return jnp.sum(objective.packed_log_probs(params, support_batch) * weights)
+
+    value, grad = jax.jit(jax.value_and_grad(ours))(variables)
+    expected, expected_grad = jax.value_and_grad(dense)(variables)
+    assert float(value) == pytest.approx(float(expected), abs=1e-5)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(expected_grad), strict=True):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)

@@ -48,31 +48,43 @@ def token_log_probs(
     targets: jax.Array,
     *,
     temperature: float | None = None,
-    keep: jax.Array | None = None,
+    support: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of each target and the entropy of its distribution.
 
     Args:
-        logits: ``[..., V]`` float logits predicting ``targets``.
-        targets: ``[...]`` int ids.
+        logits: ``[N, S, V]`` float logits; position ``s`` predicts ``targets[:, s]``.
+        targets: ``[N, S]`` int ids.
         temperature: divide the logits by it first (None: 1).
-        keep: ``[..., V]`` bool support to renormalise over (None: the whole vocabulary);
-            the target is always kept.
+        support: ``(ids, at)``, both ``[N, C]`` int: entry ``k`` of row ``n`` keeps id
+            ``ids[n, k]`` in the distribution of prediction ``at[n, k]`` (-1: unused).
+            A prediction with entries is renormalised over them and its target (slime's
+            top-p replay); one without keeps the whole vocabulary.
 
     Returns:
-        ``(log_probs, entropy)``, both ``[...]``; the entropy ignores ``keep`` and is
-        not differentiated.
+        ``(log_probs, entropy)``, both ``[N, S]``; the entropy is that of the whole
+        (temperature-scaled) vocabulary and is not differentiated.
+
+    Example:
+        >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25]]]))
+        >>> lp, _ = token_log_probs(logits, jnp.array([[1]]),
+        ...                         support=(jnp.array([[0]]), jnp.array([[0]])))
+        >>> round(float(jnp.exp(lp[0, 0])), 4)   # 0.25 / (0.5 + 0.25)
+        0.3333
     """
     logits = logits.astype(jnp.float32)
     if temperature is not None:
         logits = logits / temperature
     entropy = jax.lax.stop_gradient(_entropy(logits))
-    if keep is not None:
-        keep = keep | jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.bool_)
-        logits = jnp.where(keep, logits, -jnp.inf)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)
-    return picked[..., 0], entropy
+    targets = jnp.asarray(targets, jnp.int32)
+    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    if support is None:
+        return picked, entropy
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ids, at = (jnp.asarray(a, jnp.int32) for a in support)
+    restricted, present = _support_log_probs(logits, targets, target_logit, ids, at)
+    return jnp.where(present, restricted, picked), entropy
 
 
 def _entropy(logits: jax.Array) -> jax.Array:
@@ -80,20 +92,35 @@ def _entropy(logits: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
 
 
-def _support_keep(batch: Mapping[str, jax.Array], vocab: int) -> jax.Array:
-    """``[N, W - 1, V]`` bool: the kept ids at each prediction that recorded a support.
+def _support_log_probs(
+    logits: jax.Array, targets: jax.Array, target_logit: jax.Array, ids: jax.Array, at: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Target log-probabilities renormalised over recorded supports, without a [N, S, V] mask.
 
-    Predictions without any support entry keep the whole vocabulary.
+    Gathers the logit of every support entry and takes a log-sum-exp per prediction with
+    segment reductions, so the extra memory is ``O(N * C)``; the target joins its support
+    when the record left it out. Returns ``(log_probs, present)``, both ``[N, S]``.
     """
-    ids, columns = batch["support_ids"], batch["support_columns"]
-    rows, width = batch["input_ids"].shape
+    rows, steps, vocab = logits.shape
+    valid = (at >= 0) & (at < steps) & (ids >= 0) & (ids < vocab)
     row = jnp.broadcast_to(jnp.arange(rows)[:, None], ids.shape)
-    # The logits predicting column c sit at c - 1; padding (-1) and column 0 fall outside.
-    at = jnp.where(columns >= 1, columns - 1, width)
-    keep = jnp.zeros((rows, width - 1, vocab), jnp.bool_)
-    keep = keep.at[row, at, jnp.maximum(ids, 0)].set(True, mode="drop")
-    present = jnp.zeros((rows, width - 1), jnp.bool_).at[row, at].set(True, mode="drop")
-    return keep | ~present[..., None]
+    step, token = jnp.where(valid, at, 0), jnp.where(valid, ids, 0)
+    count = rows * steps
+    # One bin per prediction, plus a spare bin that collects the unused entries.
+    group = jnp.where(valid, row * steps + step, count).reshape(-1)
+    flat_valid = valid.reshape(-1)
+    z = jnp.where(flat_valid, logits[row, step, token].reshape(-1), 0.0)
+    present = jax.ops.segment_sum(flat_valid.astype(jnp.int32), group, count + 1) > 0
+    peak = jax.ops.segment_max(jnp.where(flat_valid, z, -jnp.inf), group, count + 1)
+    peak = jax.lax.stop_gradient(jnp.where(present, peak, 0.0))
+    # Every branch stays finite, so no NaN reaches the gradient through a masked path.
+    terms = jnp.where(flat_valid, jnp.exp(jnp.where(flat_valid, z - peak[group], 0.0)), 0.0)
+    mass = jax.ops.segment_sum(terms, group, count + 1)
+    lse = (peak + jnp.log(jnp.where(present, mass, 1.0)))[:count].reshape(rows, steps)
+    hit = ((token == targets[row, step]) & valid).reshape(-1).astype(jnp.int32)
+    has_target = (jax.ops.segment_max(hit, group, count + 1) > 0)[:count].reshape(rows, steps)
+    lse = jnp.where(has_target, lse, jnp.logaddexp(lse, target_logit))
+    return target_logit - lse, present[:count].reshape(rows, steps)
 
 
 def prompt_rows(prompt: jax.Array, prompt_length: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -243,10 +270,13 @@ class GRPOObjective:
         ids, segments = batch["input_ids"], batch["text_segment_ids"]
         positions = batch["text_positions"]
         logits = self.model.apply(variables, ids[:, :-1], segments[:, :-1], positions[:, :-1])
-        keep = None
+        support = None
         if temperature is not None and "support_ids" in batch:
-            keep = _support_keep(batch, logits.shape[-1])
-        log_probs, entropy = token_log_probs(logits, ids[:, 1:], temperature=temperature, keep=keep)
+            # The logits predicting column c sit at c - 1; padding (-1) falls outside.
+            support = (batch["support_ids"], batch["support_columns"] - 1)
+        log_probs, entropy = token_log_probs(
+            logits, ids[:, 1:], temperature=temperature, support=support
+        )
         scorable = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
         pad = jnp.zeros((ids.shape[0], 1), bool)
         scorable = jnp.concatenate([pad, scorable], axis=1)
