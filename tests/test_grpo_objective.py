@@ -261,6 +261,7 @@ def test_validate_session_mean_and_support(model, batch, support_batch):
         ({"sampling_temperature": 0.0}, "sampling_temperature"),
         ({"beta": -1.0}, "beta"),
         ({"policy_loss": "reinforce"}, "policy_loss"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
         ({"pretrained": {"params": {"embed": np.zeros((2, 2))}}}, "pretrained"),
         ({"pretrained": {"embed": np.zeros((2, 2))}}, "params"),
     ],

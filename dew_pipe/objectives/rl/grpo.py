@@ -154,6 +154,9 @@ class GRPOObjective:
         sampling_temperature: score sampled ids at this temperature (and over their
             recorded ``support_ids``); None scores the raw model, as ``old_log_probs``
             records it.
+        kl_estimator: the reference KL estimator, "k3" (verl's ``low_var_kl``) unless you
+            ask for "k1", "k2" or "abs"; a trailing "+" keeps the value and takes k2's
+            unbiased gradient.
 
     Raises:
         TypeError: a model without ``init``/``apply``, or a ``pretrained`` that is not a mapping.
@@ -161,9 +164,19 @@ class GRPOObjective:
             ``max_seq_len``; ``pretrained`` whose leaves do not match the model.
 
     Example:
-        >>> objective = GRPOObjective(model, seq_len=15, beta=0.01,
-        ...                           pretrained=variables)  # doctest: +SKIP
-        >>> loss, metrics = objective.loss(variables, batch, key, ema=variables)  # doctest: +SKIP
+        >>> from dew_pipe import models
+        >>> from dew_pipe.objectives.rl import Call, Session, pack
+        >>> model = models.build("causal_transformer", vocab_size=8, emb_features=16,
+        ...                      num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8)
+        >>> sessions = [Session(0, 0, k, 0, [Call([1, 2], [3 + k, 7], [-0.5, -0.1], "stop", 0)],
+        ...                     "COMPLETED", reward=float(k)) for k in range(2)]
+        >>> batch = pack(sessions, 8)
+        >>> objective = GRPOObjective(model, seq_len=7, beta=0.01)
+        >>> variables = objective.init(jax.random.key(0))
+        >>> objective.validate(batch)
+        >>> loss, metrics = objective.loss(variables, batch, jax.random.key(1), variables)
+        >>> float(metrics["tokens"]), float(metrics["kl_loss"])
+        (4.0, 0.0)
     """
 
     def __init__(
@@ -181,6 +194,8 @@ class GRPOObjective:
         sequence_mask: tuple[float, float] | None = None,
         geometric_mask: tuple[float, float] | None = None,
         sampling_temperature: float | None = None,
+        *,
+        kl_estimator: str = "k3",
     ) -> None:
         if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
             raise TypeError(f"model is a {type(model).__name__}; expected a Flax linen Module")
@@ -208,6 +223,7 @@ class GRPOObjective:
             behavior_importance=behavior_importance,
             sequence_mask=sequence_mask,
             geometric_mask=geometric_mask,
+            kl_estimator=kl_estimator,
         )
         self.model = model
         self.seq_len = int(seq_len)
