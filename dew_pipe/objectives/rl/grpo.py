@@ -146,8 +146,9 @@ class GRPOObjective:
         seq_len: ``W - 1`` for packed rows ``[N, W]`` (one fewer for the next-token shift).
         beta: coefficient of the k3 KL penalty against the frozen reference; a positive
             value keeps the starting weights in the EMA slot with decay 1.
-        pretrained: starting variables ``{"params": ...}``: copied at init and, when
-            ``beta > 0``, frozen as the reference. None initializes randomly.
+        pretrained: starting variables ``{"params": ...}``, copied at init; when
+            ``beta > 0`` the trainer freezes those starting weights as the reference (the
+            EMA slot starts as the initial parameters). None initializes randomly.
         epsilon_low, epsilon_high, dual_clip, policy_loss, aggregation,
         behavior_importance, sequence_mask, geometric_mask: see
             :class:`~dew_pipe.objectives.rl.policy.PolicyOptions`.
@@ -271,11 +272,6 @@ class GRPOObjective:
             # A copy: the trainer donates its parameters, the caller keeps theirs.
             return jax.tree.map(jnp.array, self.pretrained)
         return self.model.init(key, self._example())
-
-    def reference(self, params: Variables) -> Variables:
-        """What the EMA slot starts as: ``pretrained`` when given, else ``params``."""
-        source = self.pretrained if self.pretrained is not None else params
-        return jax.tree.map(jnp.array, source)
 
     # ------------------------------------------------------------------ scoring
 
