@@ -307,6 +307,8 @@ def test_evaluate_scores_prompt_perplexity(model, variables, batch):
         objective.summarize({"nll": 0.0, "tokens": 0.0})
     with pytest.raises(ValueError, match="prompt_length"):
         objective.validate({"prompt": prompt, "prompt_length": lengths + 1})
+    with pytest.raises(ValueError, match="SampledRollout"):
+        objective.loss(variables, prompts, jax.random.key(0), None)
 
 
 def test_trains_with_the_trainer(model, variables, batch):

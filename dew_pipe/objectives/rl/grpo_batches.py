@@ -64,6 +64,11 @@ def check_packed_layout(
     Raises:
         ValueError: a missing field or a shape other than ``[N, seq_len + 1]``.
     """
+    if "input_ids" not in batch and "prompt" in batch:
+        raise ValueError(
+            "batch holds prompts ('prompt', 'prompt_length') but GRPOObjective trains packed "
+            "rows; pass a rollout (SampledRollout) to the Trainer to sample and pack them"
+        )
     required = _CHAINS + (_POLICY if require_policy else ())
     for name in required:
         if name not in batch:
