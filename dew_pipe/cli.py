@@ -1,1 +1,308 @@
-def main(): print("cli")
+"""The ``dew-pipe`` command: ``dew-pipe run FILE.py [--set key=value ...] [--run-dir DIR]``.
+
+``run`` loads a pipeline file (ordinary Python), finds a module-level ``pipeline`` (a flow
+``Pipeline``, or a function returning one) or a ``main`` function, calls the function with
+its settings (keyword parameters; ``--set`` overrides them, converted by annotation), and
+runs the result: a ``Pipeline`` with per-stage and per-queue progress, or any object with a
+``run(context)`` method, which gets a ``RunContext``. It writes the run directory:
+``config.json`` (the resolved settings), ``metrics.jsonl`` and ``run.json`` (file, outcome,
+seconds).
+
+Exit status: 0 done, 1 the run failed, 2 nothing to run (bad file, setting or wiring),
+130 cancelled by Ctrl-C (a second Ctrl-C exits at once). Errors are one line on stderr;
+``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class _Exit(Exception):  # noqa: N818 - control flow to main()
+    """Ends the command with a one-line message and an exit status."""
+
+    def __init__(self, message: str, code: int, cause: BaseException | None = None):
+        super().__init__(message)
+        self.code = code
+        self.cause = cause
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dew-pipe",
+        description="Post-training for JAX models on a streaming graph of typed stages.",
+        epilog="Run 'dew-pipe run --help' for how pipeline files are found and configured.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="run a pipeline file",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run a pipeline file. The file defines `pipeline` (a dew_pipe.flow.Pipeline, or a\n"
+            "function returning one) or `main`. The function's keyword parameters are the\n"
+            "settings; --set overrides them (int, float, bool, str, Path, enums, literals,\n"
+            "optional values, comma-separated tuples/lists). A function may also return an\n"
+            "object with run(context), which receives a dew_pipe.flow.RunContext."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dew-pipe run pipelines/demo.py\n"
+            "  dew-pipe run pipelines/demo.py --set batches=40 --set slow_ms=20\n"
+            "  dew-pipe run pipelines/demo.py --dry-run   # show settings and graph\n"
+            "exit status: 0 done, 1 failed, 2 nothing to run, 130 interrupted"
+        ),
+    )
+    run.add_argument("file", type=Path, help="pipeline file (.py)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting (repeatable)",
+    )
+    run.add_argument(
+        "--run-dir", type=Path, help="where to write config.json and metrics.jsonl "
+        "(default: runs/<file stem>-<time>)",
+    )  # fmt: skip
+    run.add_argument(
+        "--metrics-every", type=float, default=1.0, metavar="S",
+        help="seconds between metrics records (default 1)",
+    )  # fmt: skip
+    run.add_argument(
+        "--dry-run", action="store_true", help="print the settings and the graph, run nothing"
+    )
+    run.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dew-pipe`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return _run(args)
+    except _Exit as e:
+        if args.debug and e.cause is not None:
+            traceback.print_exception(e.cause)
+        print(f"dew-pipe: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("dew-pipe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_file(path: Path) -> ModuleType:
+    """Import a pipeline file as a fresh module (its folder goes first on ``sys.path``)."""
+    if not path.is_file():
+        raise _Exit(f"{path}: no such file", EXIT_USAGE)
+    if path.suffix != ".py":
+        raise _Exit(f"{path}: expected a Python file (.py)", EXIT_USAGE)
+    name = "dew_pipe_run_" + re.sub(r"\W", "_", path.stem)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise _Exit(f"could not load {path}: {_one_line(e)}", EXIT_USAGE, e) from e
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def find_entry(module: ModuleType, path: Path) -> tuple[str, Any]:
+    """``("pipeline" | "main", object)``: what the file offers to run."""
+    from dew_pipe.flow import Pipeline
+
+    entry = getattr(module, "pipeline", None)
+    if entry is not None:
+        if isinstance(entry, Pipeline) or callable(entry):
+            return "pipeline", entry
+        raise _Exit(
+            f"{path}: `pipeline` is a {type(entry).__name__}; expected a dew_pipe.flow."
+            "Pipeline or a function returning one",
+            EXIT_USAGE,
+        )
+    if callable(getattr(module, "main", None)):
+        return "main", module.main
+    raise _Exit(
+        f"{path} defines no `pipeline` (a Pipeline, or a function returning one) and no "
+        "`main` function; nothing to run",
+        EXIT_USAGE,
+    )
+
+
+def _build(entry: Any, overrides: list[str], path: Path) -> tuple[Any, dict[str, Any]]:
+    from dew_pipe.flow import BuildError, Pipeline
+    from dew_pipe.flow.config import ConfigError, resolve
+
+    if isinstance(entry, Pipeline):
+        if overrides:
+            raise _Exit(
+                f"{path} defines a Pipeline object, which has no settings; make `pipeline` a "
+                "function with keyword parameters to accept --set",
+                EXIT_USAGE,
+            )
+        return entry, {}
+    try:
+        config = resolve(entry, overrides)
+    except ConfigError as e:
+        raise _Exit(str(e), EXIT_USAGE, e) from e
+    try:
+        target = entry(**config)
+    except (BuildError, ValueError, TypeError) as e:
+        raise _Exit(
+            f"{entry.__name__}() refused its settings: {_one_line(e)}", EXIT_USAGE, e
+        ) from e
+    except Exception as e:
+        raise _Exit(f"{entry.__name__}() failed: {_one_line(e)}", EXIT_FAILED, e) from e
+    if not isinstance(target, Pipeline) and not callable(getattr(target, "run", None)):
+        raise _Exit(
+            f"{entry.__name__}() returned a {type(target).__name__}; expected a dew_pipe.flow."
+            "Pipeline or an object with a run(context) method",
+            EXIT_USAGE,
+        )
+    return target, config
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _run_dir(requested: Path | None, stem: str) -> Path:
+    if requested is not None:
+        requested.mkdir(parents=True, exist_ok=True)
+        return requested
+    base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, n = base, 1
+    while candidate.exists():  # two runs in one second: keep both
+        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dew_pipe.flow import BuildError, Pipeline
+    from dew_pipe.flow.config import to_json
+
+    path: Path = args.file
+    module = load_file(path)
+    kind, entry = find_entry(module, path)
+    target, config = _build(entry, args.overrides, path)
+    if isinstance(target, Pipeline):
+        try:
+            target.check()
+        except BuildError as e:
+            raise _Exit(f"{path}: {e}", EXIT_USAGE, e) from e
+    if args.dry_run:
+        print(json.dumps(to_json(config), indent=2))
+        print(target.describe() if isinstance(target, Pipeline) else repr(target))
+        return 0
+    if not args.metrics_every > 0:
+        raise _Exit(f"--metrics-every {args.metrics_every}: expected seconds > 0", EXIT_USAGE)
+    run_dir = _run_dir(args.run_dir, path.stem)
+    (run_dir / "config.json").write_text(json.dumps(to_json(config), indent=2) + "\n")
+    record = {"file": str(path), "entry": kind, "argv": sys.argv, "started": time.time()}
+    start = time.monotonic()
+    code, message, cause = _execute(target, config, run_dir, args, path)
+    record["seconds"] = round(time.monotonic() - start, 3)
+    record["status"] = {0: "done", EXIT_INTERRUPTED: "cancelled"}.get(code, "failed")
+    record["error"] = message if code else None
+    (run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    if code:
+        raise _Exit(message, code, cause)
+    print(f"dew-pipe: {message}; run directory {run_dir}")
+    return 0
+
+
+def _execute(
+    target: Any, config: dict, run_dir: Path, args: argparse.Namespace, path: Path
+) -> tuple[int, str, BaseException | None]:
+    """Run ``target`` under a SIGINT handler: ``(exit status, one-line message, error)``."""
+    from dew_pipe.flow import Cancelled, FlowSnapshot, Pipeline, StageFailed
+    from dew_pipe.flow.display import Display
+    from dew_pipe.flow.job import RunContext
+    from dew_pipe.flow.metrics import MetricsWriter
+
+    cancel = threading.Event()
+    start = time.monotonic()
+
+    def seconds() -> str:
+        return f"{time.monotonic() - start:.1f}"
+
+    restore = _install_sigint(cancel)
+    try:
+        with (
+            MetricsWriter(run_dir / "metrics.jsonl") as metrics,
+            Display(title=path.stem) as display,
+        ):
+            context = RunContext(run_dir, config, metrics, display, cancel)
+            try:
+                if isinstance(target, Pipeline):
+                    result = context.run_pipeline(target, metrics_every=args.metrics_every)
+                else:
+                    result = target.run(context)
+            except (Cancelled, StageFailed, Exception) as e:
+                if cancel.is_set() and isinstance(e, Cancelled):
+                    return EXIT_INTERRUPTED, f"cancelled by Ctrl-C after {seconds()} s", e
+                if isinstance(e, StageFailed | Cancelled):
+                    return EXIT_FAILED, str(e), e
+                return EXIT_FAILED, f"{path.name} failed: {_one_line(e)}", e
+            if cancel.is_set():
+                return EXIT_INTERRUPTED, f"cancelled by Ctrl-C after {seconds()} s", None
+            message = f"finished in {seconds()} s"
+            if isinstance(result, FlowSnapshot) and result.dropped:
+                message += f" ({result.dropped} items dropped by consumers that finished early)"
+            return 0, message, None
+    finally:
+        restore()
+
+
+def _install_sigint(cancel: threading.Event) -> Callable[[], None]:
+    """First Ctrl-C sets ``cancel``; a second exits at once. Returns the restorer."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        if cancel.is_set():
+            os.write(2, b"\ndew-pipe: interrupted twice; exiting now\n")
+            os._exit(EXIT_INTERRUPTED)
+        cancel.set()
+        os.write(2, b"\ndew-pipe: cancelling (Ctrl-C again to exit at once)\n")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

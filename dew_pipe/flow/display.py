@@ -1,0 +1,200 @@
+"""Progress display of a run: a rich live view on a terminal, quiet periodic lines otherwise.
+
+It shows whatever it is fed: flow snapshots (per stage items/s and busy share, per edge
+depth against capacity and wait seconds), progress counters (``progress``) and latest
+scalar values (``values``). Updates may come from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from dew_pipe.flow.metrics import FlowSnapshot
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class Display:
+    """Live or line-by-line progress, chosen by whether the console is a terminal.
+
+    Args:
+      console: where to draw; default stdout.
+      live: force the live view on (True) or off (False); default: when a terminal.
+      interval: seconds between plain lines (the live view refreshes 4 times a second).
+      title: shown at the top of the live view and at the start of plain lines.
+
+    Example:
+      >>> import io
+      >>> out = io.StringIO()
+      >>> with Display(Console(file=out), live=False, interval=0) as d:
+      ...     d.values(loss=0.25)
+      >>> "loss=0.25" in out.getvalue()
+      True
+    """
+
+    def __init__(
+        self,
+        console: Console | None = None,
+        *,
+        live: bool | None = None,
+        interval: float = 5.0,
+        title: str = "",
+    ) -> None:
+        self.console = console or Console()
+        self.live = self.console.is_terminal if live is None else live
+        self.interval = interval
+        self.title = title
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._last_line = self._start
+        self._progress: dict[str, tuple[float, float | None, float]] = {}
+        self._values: dict[str, Any] = {}
+        self._snapshot: FlowSnapshot | None = None
+        self._rates: dict[str, float] = {}
+        self._previous: tuple[float, dict[str, int]] | None = None
+        self._live: Live | None = None
+
+    # ------------------------------------------------------------------ feeding
+
+    def print(self, message: str) -> None:
+        """A line that stays (above the live view on a terminal)."""
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def progress(self, label: str, done: float, total: float | None = None) -> None:
+        """Set a progress counter (``done`` of ``total``; rate shown per second)."""
+        with self._lock:
+            first = self._progress.get(label, (done, total, time.monotonic()))[2]
+            self._progress[label] = (done, total, first)
+        self._tick()
+
+    def values(self, **values: Any) -> None:
+        """Set the latest scalar values (loss, reward, accuracy, ...)."""
+        with self._lock:
+            self._values.update(values)
+        self._tick()
+
+    def flow(self, snapshot: FlowSnapshot) -> None:
+        """Show a flow snapshot; rates are computed against the previous one."""
+        with self._lock:
+            counts = {n: s.items_in or s.items_out for n, s in snapshot.stages.items()}
+            if self._previous is not None:
+                t0, before = self._previous
+                dt = max(snapshot.elapsed_s - t0, 1e-9)
+                self._rates = {n: (c - before.get(n, 0)) / dt for n, c in counts.items()}
+            else:
+                self._rates = {n: c / max(snapshot.elapsed_s, 1e-9) for n, c in counts.items()}
+            self._previous = (snapshot.elapsed_s, counts)
+            self._snapshot = snapshot
+        self._tick()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Display:
+        if self.live:
+            self._live = Live(self, console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the live view (its last frame stays), or print a final summary line."""
+        if self._live is not None:
+            self._live.refresh()
+            self._live.stop()
+            self._live = None
+        elif not self.live:
+            self.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+
+    # ------------------------------------------------------------------ rendering
+
+    def _tick(self) -> None:
+        if self.live:
+            return  # the live view redraws itself
+        now = time.monotonic()
+        if now - self._last_line >= self.interval:
+            self._last_line = now
+            self.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+
+    def line(self) -> str:
+        """One line with everything currently known."""
+        with self._lock:
+            parts = [
+                f"[{time.monotonic() - self._start:7.1f}s]{' ' + self.title if self.title else ''}"
+            ]
+            for label, (done, total, first) in self._progress.items():
+                rate = done / max(time.monotonic() - first, 1e-9)
+                parts.append(
+                    f"{label} {_fmt(done)}{'/' + _fmt(total) if total else ''} ({rate:.3g}/s)"
+                )
+            if self._values:
+                parts.append(" ".join(f"{k}={_fmt(v)}" for k, v in self._values.items()))
+            if self._snapshot is not None:
+                stages = ", ".join(
+                    f"{n} {s.items_in or s.items_out} ({self._rates.get(n, 0.0):.3g}/s)"
+                    for n, s in self._snapshot.stages.items()
+                )
+                edges = ", ".join(
+                    f"{e.name} {e.depth}/{e.capacity} (max {e.max_depth}, put wait "
+                    f"{e.put_wait_s:.2f}s)"
+                    for e in self._snapshot.edges.values()
+                )
+                parts.append(f"stages: {stages}")
+                parts.append(f"queues: {edges}")
+        return " | ".join(parts)
+
+    def __rich__(self) -> Group:
+        with self._lock:
+            blocks: list[Any] = []
+            head = f"{self.title}  " if self.title else ""
+            blocks.append(Text(f"{head}{time.monotonic() - self._start:.1f}s", style="bold"))
+            if self._progress:
+                t = Table("progress", "done", "total", "per s", box=None)
+                for label, (done, total, first) in self._progress.items():
+                    rate = done / max(time.monotonic() - first, 1e-9)
+                    t.add_row(label, _fmt(done), _fmt(total) if total else "", f"{rate:.3g}")
+                blocks.append(t)
+            if self._values:
+                t = Table("value", "latest", box=None)
+                for k, v in self._values.items():
+                    t.add_row(k, _fmt(v))
+                blocks.append(t)
+            if self._snapshot is not None:
+                blocks += self._flow_tables(self._snapshot)
+        return Group(*blocks)
+
+    def _flow_tables(self, snap: FlowSnapshot) -> list[Table]:
+        stages = Table("stage", "state", "in", "out", "items/s", "busy", box=None)
+        for n, s in snap.stages.items():
+            busy = s.busy_s / s.elapsed_s if s.elapsed_s > 0 else 0.0
+            rate = self._rates.get(n, 0.0)
+            stages.add_row(
+                n, s.state, str(s.items_in), str(s.items_out), f"{rate:.3g}", f"{busy:.0%}"
+            )
+        edges = Table(
+            "queue", "depth", "max", "items", "put wait s", "get wait s", "dropped", box=None
+        )
+        for e in snap.edges.values():
+            bar = "#" * e.depth + "." * max(0, min(e.capacity, 32) - e.depth)
+            edges.add_row(
+                e.name + (" (feedback)" if e.feedback else ""),
+                f"{bar} {e.depth}/{e.capacity}",
+                str(e.max_depth),
+                str(e.items),
+                f"{e.put_wait_s:.2f}",
+                f"{e.get_wait_s:.2f}",
+                str(e.dropped),
+            )
+        return [stages, edges]
