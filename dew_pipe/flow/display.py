@@ -19,6 +19,14 @@ from rich.text import Text
 from dew_pipe.flow.metrics import FlowSnapshot
 
 
+def _label(edge: str) -> str:
+    """Shorter edge name for the display: default port names ("out", "in") left out."""
+    src, _, dst = edge.partition("->")
+    src = src.removesuffix(".out")
+    dst = dst.removesuffix(".in")
+    return f"{src}->{dst}"
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -183,18 +191,19 @@ class Display:
             stages.add_row(
                 n, s.state, str(s.items_in), str(s.items_out), f"{rate:.3g}", f"{busy:.0%}"
             )
-        edges = Table(
-            "queue", "depth", "max", "items", "put wait s", "get wait s", "dropped", box=None
-        )
+        edges = Table("queue", "depth", "max", "items", "wait put/get", "dropped", box=None)
+        for column in edges.columns:
+            column.no_wrap = True
         for e in snap.edges.values():
-            bar = "#" * e.depth + "." * max(0, min(e.capacity, 32) - e.depth)
+            shown = min(e.capacity, 8)  # a bar of at most 8 cells, scaled to the capacity
+            filled = round(shown * e.depth / e.capacity)
+            bar = "#" * filled + "." * (shown - filled)
             edges.add_row(
-                e.name + (" (feedback)" if e.feedback else ""),
+                _label(e.name) + (" (fb)" if e.feedback else ""),
                 f"{bar} {e.depth}/{e.capacity}",
                 str(e.max_depth),
                 str(e.items),
-                f"{e.put_wait_s:.2f}",
-                f"{e.get_wait_s:.2f}",
+                f"{e.put_wait_s:.1f}/{e.get_wait_s:.1f}s",
                 str(e.dropped),
             )
         return [stages, edges]
