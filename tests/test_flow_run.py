@@ -18,6 +18,30 @@ from dew_pipe.flow import (
 )
 
 
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    names = [
+        "config",
+        "display",
+        "forms",
+        "job",
+        "metrics",
+        "pipeline",
+        "ports",
+        "runtime",
+        "stage",
+    ]
+    attempted = 0
+    for name in names:
+        module = importlib.import_module(f"dew_pipe.flow.{name}")
+        failed, tried = doctest.testmod(module)
+        assert failed == 0, name
+        attempted += tried
+    assert attempted >= 20
+
+
 def _threads(name):
     return [t for t in threading.enumerate() if t.name.startswith(f"flow:{name}:")]
 

@@ -67,6 +67,22 @@ class Run:
     Attributes:
       pipeline: the pipeline being run.
       secondary: ``(stage, exception)`` raised after the run was already failing.
+
+    Example:
+      >>> import itertools
+      >>> from dew_pipe.flow import Cancelled, Pipeline, Sink, Source
+      >>> p = Pipeline("background")
+      >>> p.chain(Source("src", itertools.count, output_type=int),
+      ...         Sink("keep", lambda x: None, input_type=int), capacity=4)
+      >>> run = p.start()
+      >>> run.snapshot().stages["keep"].state in ("pending", "opening", "running")
+      True
+      >>> run.cancel("enough")
+      >>> try:
+      ...     run.wait(timeout=10)
+      ... except Cancelled as e:
+      ...     print(e)
+      enough
     """
 
     def __init__(

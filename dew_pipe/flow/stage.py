@@ -38,20 +38,26 @@ class Stage(abc.ABC):
         calling ``ctx.heartbeat()`` before the run fails naming it; None: no limit.
         ``open`` and ``close`` are not timed (they may load weights or compile).
 
-    Example (a stage that doubles an int stream and counts what it saw)::
-
-        class Double(Stage):
-            def __init__(self):
-                super().__init__("double", inputs={"in": int}, outputs={"out": int})
-                self.seen = 0
-
-            def open(self):
-                self.seen = 0
-
-            def run(self, ctx):
-                for x in ctx.read("in"):
-                    self.seen += 1
-                    ctx.put("out", 2 * x)
+    Example (a stage that doubles an int stream and counts what it saw):
+      >>> from dew_pipe.flow import Pipeline, Sink, Source
+      >>> class Double(Stage):
+      ...     def __init__(self):
+      ...         super().__init__("double", inputs={"in": int}, outputs={"out": int})
+      ...
+      ...     def open(self):
+      ...         self.seen = 0
+      ...
+      ...     def run(self, ctx):
+      ...         for x in ctx.read("in"):
+      ...             self.seen += 1
+      ...             ctx.put("out", 2 * x)
+      >>> out, double = [], Double()
+      >>> p = Pipeline("example")
+      >>> p.chain(Source("src", lambda: range(3), output_type=int), double,
+      ...         Sink("keep", out.append, input_type=int), capacity=2)
+      >>> _ = p.run(timeout=10)
+      >>> out, double.seen
+      ([0, 2, 4], 3)
     """
 
     def __init__(
