@@ -137,6 +137,11 @@ class StageState:
 class StageContext:
     """What ``Stage.run`` uses to reach its ports, the cancellation flag and the clock.
 
+    Call ``get``/``put`` from the stage's own thread (its counters and timeout clock assume
+    one caller). Other threads the stage starts hand results back through futures it
+    ``track``s, as ``Map`` does with its workers; the done callbacks that wake the stage
+    run on those threads, which is safe.
+
     Attributes:
       name: the stage's name.
       item: index of the input item being processed, set by the derived forms and by
