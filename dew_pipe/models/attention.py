@@ -15,6 +15,12 @@ Strategy:
 - Masked scores get a large negative finite value rather than ``-inf``: a query with
   nothing to attend (a padding token) then averages uniformly instead of producing NaN,
   which would poison gradients even where the loss ignores that token.
+- A single query per row (a decode step) is contracted against all key/value heads at
+  once, with the row as the only batch axis, and each head keeps its own block. The
+  per-head contraction would make XLA copy a transposed ``[B, K, T, D]`` version of each
+  layer's cache first (batch axes must lead), which dominated a small model's CPU decode
+  step; the block form reads the cache in place for K times the (tiny) score arithmetic.
+  ``benchmarks/generate.py`` records the effect.
 """
 
 from __future__ import annotations
@@ -115,15 +121,41 @@ def attend(
     grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, dim)
     scores = []
     for key, _, mask in parts:
-        score = jnp.einsum("bskgd,btkd->bkgst", grouped, key, preferred_element_type=jnp.float32)
-        scores.append(jnp.where(mask[:, None, None], score, _MASKED))
+        scores.append(jnp.where(mask[:, None, None], _scores(grouped, key), _MASKED))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0])
     probs = probs.astype(query.dtype)
     out = None
     offset = 0
     for key, value, _ in parts:
         span = key.shape[1]
-        piece = jnp.einsum("bkgst,btkd->bskgd", probs[..., offset : offset + span], value)
+        piece = _weighted(probs[..., offset : offset + span], value)
         out = piece if out is None else out + piece
         offset += span
     return out.reshape(batch, length, heads, dim)
+
+
+def _scores(grouped: jax.Array, key: jax.Array) -> jax.Array:
+    """Float32 scores ``[B, K, G, S, T]`` of queries ``[B, S, K, G, D]`` on keys ``[B, T, K, D]``."""
+    batch, length, kv_heads, group, dim = grouped.shape
+    if length != 1:
+        return jnp.einsum("bskgd,btkd->bkgst", grouped, key, preferred_element_type=jnp.float32)
+    # Decode: q[b, (k, g), (k', d)] is zero unless k' == k, so one matmul over (k', d)
+    # gives every head its own scores (see the module docstring).
+    eye = jnp.eye(kv_heads, dtype=grouped.dtype)[:, None, :, None]
+    blocks = (grouped[:, 0, :, :, None, :] * eye).reshape(batch, kv_heads * group, -1)
+    flat = key.reshape(batch, key.shape[1], kv_heads * dim)
+    score = jnp.einsum("bqc,btc->bqt", blocks, flat, preferred_element_type=jnp.float32)
+    return score.reshape(batch, kv_heads, group, 1, key.shape[1])
+
+
+def _weighted(probs: jax.Array, value: jax.Array) -> jax.Array:
+    """``[B, S, K, G, D]``: probabilities ``[B, K, G, S, T]`` times values ``[B, T, K, D]``."""
+    batch, kv_heads, group, length, span = probs.shape
+    if length != 1:
+        return jnp.einsum("bkgst,btkd->bskgd", probs, value)
+    # Decode: weight every head's values, then keep each query head's own block.
+    flat = value.reshape(batch, span, -1)
+    mixed = jnp.einsum("bqt,btc->bqc", probs.reshape(batch, kv_heads * group, span), flat)
+    mixed = mixed.reshape(batch, kv_heads, group, kv_heads, -1)
+    eye = jnp.eye(kv_heads, dtype=mixed.dtype)[:, None, :, None]
+    return jnp.sum(mixed * eye, axis=3)[:, None]
