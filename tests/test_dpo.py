@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from dew_pipe.objectives.rl import DPOObjective
 from dew_pipe.objectives.rl.dpo import sequence_log_probs
 
 FIXTURES = Path(__file__).parent / "parity" / "fixtures" / "trl_dpo"
+MULTI_DEVICE = Path(__file__).with_name("multi_device_dpo.py")
 
 
 # ---------------------------------------------------------------- parity with TRL
@@ -343,6 +347,7 @@ print("Completed", int(state.updates), "DPO updates; reference stayed fixed.")
 """
 
 
+@pytest.mark.slow
 def test_spec_complete_offline_example(capsys):
     namespace: dict = {"__name__": "__main__"}
     exec(compile(COMPLETE_EXAMPLE, "spec_dpo_example", "exec"), namespace)
@@ -374,6 +379,7 @@ dpo_state = Trainer(dpo, optax.adam(0.001), key=jax.random.key(2)).fit(
 """
 
 
+@pytest.mark.slow
 def test_spec_preference_optimization_snippet(story_tokenizer):
     """The spec's DPO continuation of the SFT session, with a small stand-in decoder."""
     model = models.build(
@@ -450,3 +456,14 @@ def test_dpo_learns_the_digit_sorting_preference():
     assert train_logs[-1]["loss"] < 0.3
     for begin, end in zip(jax.tree.leaves(start.ema), jax.tree.leaves(state.ema), strict=True):
         np.testing.assert_array_equal(np.asarray(begin), np.asarray(end))
+
+
+@pytest.mark.slow
+def test_eight_simulated_devices_train_like_one():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, str(MULTI_DEVICE)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok" in result.stdout
