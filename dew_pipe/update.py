@@ -8,10 +8,11 @@ One call of the update consumes one batch (a microbatch when accumulating):
    from it (``"skip"``).
 3. Accumulation: with ``accumulate=k`` the gradient is added to a buffer and the
    optimizer runs on every k-th accepted microbatch, like ``optax.MultiSteps``.
-   Microbatch gradients are weighted by the objective's ``"tokens"`` metric when it
-   reports one (equal weights otherwise), so for a loss that is a mean over tokens,
-   ``sum_i tokens_i * grad_i / sum_i tokens_i`` is exactly the gradient of the mean
-   over the concatenated batch.
+   Microbatch gradients are weighted by the objective's ``"loss_weight"`` metric,
+   else its ``"tokens"`` metric, else equally. The weight is what the loss averages
+   over (tokens for a token mean, pairs for DPO's mean over pairs), so
+   ``sum_i w_i * grad_i / sum_i w_i`` is exactly the gradient of the mean over the
+   concatenated batch.
 4. EMA after each committed update: ``ema = decay * ema + (1 - decay) * params``;
    ``decay == 1`` is never computed, so a frozen reference stays bit-identical.
 """
@@ -207,7 +208,7 @@ def build_update(
         if jnp.ndim(loss) != 0:
             raise ValueError(f"objective.loss returned shape {jnp.shape(loss)}; expected a scalar")
         metrics = _check_metrics(metrics)
-        weight = jnp.asarray(metrics.get("tokens", 1.0), jnp.float32)
+        weight = jnp.asarray(metrics.get("loss_weight", metrics.get("tokens", 1.0)), jnp.float32)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = learning_rate(state.opt_state.inner if accumulate > 1 else state.opt_state)

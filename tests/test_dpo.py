@@ -82,6 +82,31 @@ def test_gradients_match_trl(trl):
         assert np.abs(ours - theirs).max() <= 1e-5 * scale, name
 
 
+def test_accumulation_weight_makes_microbatches_equal_the_whole_batch(trl):
+    """The Trainer weights microbatch gradients by ``loss_weight``: pairs, not tokens, for DPO.
+
+    Splitting the four pairs 1 + 3 gives microbatches with different token counts, so a
+    token-weighted average would differ from the full-batch gradient.
+    """
+    grad = jax.jit(jax.value_and_grad(trl.objective.loss, has_aux=True))
+
+    def run(rows):
+        part = {k: v[rows] for k, v in trl.batch.items()}
+        (_, metrics), g = grad(
+            trl.policy.variables, part, jax.random.key(0), trl.reference.variables
+        )
+        return float(metrics["loss_weight"]), float(metrics["tokens"]), g
+
+    (w1, t1, g1), (w2, t2, g2) = run(slice(0, 1)), run(slice(1, 4))
+    assert (w1, w2) == (1.0, 3.0)
+    assert t1 / (t1 + t2) != w1 / (w1 + w2), "the split must separate the two weightings"
+    combined = jax.tree.map(lambda a, b: (w1 * a + w2 * b) / (w1 + w2), g1, g2)
+    whole = trl.policy.export(combined, dtype=np.float32)
+    for name, ours in whole.items():
+        full = trl.grads[name]
+        assert np.abs(ours - full).max() <= 1e-5 * np.abs(full).max(), name
+
+
 def test_log_probs_and_metrics_match_trl(trl):
     both = jax.jit(trl.objective._pair_log_probs)
     for variables, key in (

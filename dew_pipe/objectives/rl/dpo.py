@@ -270,6 +270,8 @@ class DPOObjective:
             "logps/chosen": jnp.mean(logps[:, 0]),
             "logps/rejected": jnp.mean(logps[:, 1]),
             "tokens": jnp.sum(batch["completion_mask"][:, :, 1:] > 0, dtype=jnp.float32),
+            # The loss is a mean over pairs: gradient accumulation weights by pairs.
+            "loss_weight": jnp.asarray(margins.shape[0], jnp.float32),
         }
         return loss, metrics
 
