@@ -1,1 +1,38 @@
-"""dew_pipe/inference"""
+"""Inference: compiled generation with the decoder's cache, text policies, rollout servers.
+
+Names resolve lazily (module ``__getattr__``), so importing the package stays cheap. Add a
+name by adding one line to ``_LAZY``.
+
+Example:
+    >>> from dew_pipe.inference import TextGeneration   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> (module, attribute)
+_LAZY: dict[str, tuple[str, str]] = {
+    "DecodeStep": ("dew_pipe.inference.decoding", "DecodeStep"),
+    "decode_step": ("dew_pipe.inference.decoding", "decode_step"),
+    "Generated": ("dew_pipe.inference.generation", "Generated"),
+    "generate": ("dew_pipe.inference.generation", "generate"),
+    "Generation": ("dew_pipe.inference.text", "Generation"),
+    "TextGeneration": ("dew_pipe.inference.text", "TextGeneration"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dew_pipe.inference' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,205 @@
+"""One decode step of the causal decoder for compiled loops: one new id per row.
+
+`decode_step(model, variables)` returns a `DecodeStep` that a ``lax.while_loop`` body
+calls once per generated position. It computes exactly what the decoder's own cached call
+computes (``model.apply(..., cache=..., cache_index=...)`` with one token per row), but is
+laid out for XLA's in-place updates, because on CPU a small model's decode step is bound
+by memory traffic, not arithmetic. Per step the layer-split path saves, against calling
+the cached model in the loop:
+
+- **Weight copies.** The decoder stacks every layer's weights on a leading axis and scans
+  over it; inside a loop each per-layer slice becomes a copy of that layer's weights on
+  every step. Here the slices are taken once, before the loop, and the blocks run one by
+  one on them (the same `Block` module, so the arithmetic is the decoder's own).
+- **Cache copies.** Each layer's keys and values live in their own array, so no per-layer
+  slice of a stacked cache is copied. The keys/values of the id fed at step t are written
+  at the start of step t + 1, *before* the blocks read the cache: every read then depends
+  on the write, so XLA updates the cache in place. (Written after the reads, as the
+  cached call does, XLA cannot order the write after the reads it does not depend on and
+  copies the whole cache each step.) The current id attends to its own key/value directly,
+  as in the cached call.
+
+Models other than `CausalTransformer` get a plain step that calls the cached model (same
+results, without those savings), so anything with the decoder's call forms can generate.
+
+A row is *inactive* when it has finished: its entries go to an out-of-range slot, which
+the scatter drops, so its cache stays exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from dew_pipe.models import attention
+from dew_pipe.models.transformer import Block, CausalTransformer, RMSNorm
+
+__all__ = ["DecodeStep", "decode_step"]
+
+
+class DecodeStep(Protocol):
+    """A traced per-position step: ``start`` a state from a cache, then call it per id."""
+
+    def start(self, cache: dict[str, jax.Array]) -> Any:
+        """The loop state for a cache from ``model.init_cache`` (filled by a prefill)."""
+
+    def __call__(
+        self,
+        state: Any,
+        tokens: jax.Array,
+        positions: jax.Array,
+        slots: jax.Array,
+        active: jax.Array,
+    ) -> tuple[jax.Array, Any]:
+        """Feeds ``tokens [B]`` at ``positions [B]`` into cache ``slots [B]``.
+
+        Rows with ``active`` False write nothing. Returns ``(logits [B, V] float32,
+        state)``.
+        """
+
+    def finish(self, state: Any) -> dict[str, jax.Array]:
+        """The cache a state stands for, every entry written (``init_cache``'s layout)."""
+
+
+class _CachedModelStep:
+    """The decoder's own cached call, one id per row (any model with its call forms)."""
+
+    def __init__(self, model: Any, variables: Any) -> None:
+        self.model, self.variables = model, variables
+
+    def start(self, cache: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return cache
+
+    def __call__(self, state, tokens, positions, slots, active):
+        length = state["positions"].shape[1]
+        hidden, cache = self.model.apply(
+            self.variables,
+            tokens[:, None],
+            active[:, None].astype(jnp.int32),
+            positions[:, None],
+            cache=state,
+            cache_index=jnp.where(active, slots, length),
+            method="features",
+        )
+        return self.model.apply(self.variables, hidden[:, 0], method="logits"), cache
+
+    def finish(self, state: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return state
+
+
+class _LayerState(NamedTuple):
+    keys: tuple[jax.Array, ...]  # per layer [B, T, K, d]
+    values: tuple[jax.Array, ...]
+    positions: jax.Array  # [B, T] int32, -1 empty
+    pending_keys: tuple[jax.Array, ...]  # per layer [B, K, d]: the last fed id's entries
+    pending_values: tuple[jax.Array, ...]
+    pending_position: jax.Array  # [B] its position (stored in the cache)
+    pending_slot: jax.Array  # [B] its slot; out of range when nothing is pending
+
+
+class _LayerSplitStep:
+    """`CausalTransformer` run block by block on pre-sliced weights and per-layer caches."""
+
+    def __init__(self, model: CausalTransformer, variables: Any) -> None:
+        cfg = model.config
+        self.model, self.variables, self.config = model, variables, cfg
+        params = variables["params"]
+        self.embed = params["embed"]
+        self.final_norm = params["final_norm"]
+        # Sliced here, outside the loop the step runs in, so XLA reads them in place.
+        self.layers = [
+            jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(cfg.num_layers)
+        ]
+        self.block = Block(cfg)
+        self.norm = RMSNorm(cfg.emb_features, cfg.norm_eps, cfg.dtype, cfg.param_dtype)
+        self.inv_freq = jnp.asarray(cfg.inverse_frequencies())
+
+    def start(self, cache: dict[str, jax.Array]) -> _LayerState:
+        layers = range(self.config.num_layers)
+        batch, slots = cache["positions"].shape
+        entry = cache["key"].shape[3:]
+        empty = tuple(jnp.zeros((batch, *entry), cache["key"].dtype) for _ in layers)
+        return _LayerState(
+            keys=tuple(cache["key"][i] for i in layers),
+            values=tuple(cache["value"][i] for i in layers),
+            positions=cache["positions"],
+            pending_keys=empty,
+            pending_values=empty,
+            pending_position=jnp.full((batch,), -1, jnp.int32),
+            pending_slot=jnp.full((batch,), slots, jnp.int32),
+        )
+
+    @staticmethod
+    def _flush(state: _LayerState) -> tuple[tuple, tuple, jax.Array]:
+        rows = jnp.arange(state.positions.shape[0])
+        at = state.pending_slot  # out of range (dropped) when nothing is pending
+
+        def flush(stored, pending):
+            return stored.at[rows, at].set(pending, mode="drop")
+
+        keys = tuple(map(flush, state.keys, state.pending_keys))
+        values = tuple(map(flush, state.values, state.pending_values))
+        return keys, values, flush(state.positions, state.pending_position)
+
+    def finish(self, state: _LayerState) -> dict[str, jax.Array]:
+        keys, values, positions = self._flush(state)
+        return {"key": jnp.stack(keys), "value": jnp.stack(values), "positions": positions}
+
+    def __call__(self, state, tokens, positions, slots, active):
+        cfg = self.config
+        length = state.positions.shape[1]
+        keys, values, cache_positions = self._flush(state)
+        slots = jnp.where(active, slots, length)
+        segment = active[:, None].astype(jnp.int32)
+        cos, sin = attention.rotary_angles(positions[:, None], self.inv_freq)
+        old, new = attention.cache_mask(cache_positions, positions[:, None], segment, slots)
+        context = dict(cos=cos, sin=sin, mask=new, cache_mask=old)
+        x = jnp.take(self.embed, tokens[:, None], axis=0).astype(cfg.dtype)
+        new_keys, new_values = [], []
+        for params, k, v in zip(self.layers, keys, values, strict=True):
+            x, (k_new, v_new) = self.block.apply({"params": params}, x, (k, v), context)
+            new_keys.append(k_new[:, 0].astype(k.dtype))
+            new_values.append(v_new[:, 0].astype(v.dtype))
+        hidden = self.norm.apply({"params": self.final_norm}, x)[:, 0]
+        logits = self.model.apply(self.variables, hidden, method="logits")
+        state = _LayerState(
+            keys=keys,
+            values=values,
+            positions=cache_positions,
+            pending_keys=tuple(new_keys),
+            pending_values=tuple(new_values),
+            pending_position=jnp.where(active, positions, -1).astype(jnp.int32),
+            pending_slot=slots,
+        )
+        return logits, state
+
+
+def decode_step(model: Any, variables: Any, *, split_layers: bool | None = None) -> DecodeStep:
+    """The per-id decode step for ``model`` (call inside ``jit``, outside the loop).
+
+    Args:
+        model: a `CausalTransformer`, or any module with its call forms (``features`` and
+            ``logits`` methods, ``init_cache`` and the cached call).
+        variables: its ``{"params": ...}``.
+        split_layers: run a `CausalTransformer` block by block (the fast path); None
+            chooses it whenever the model is one, False calls the cached model instead.
+
+    Returns:
+        A `DecodeStep`.
+
+    Raises:
+        TypeError: ``split_layers=True`` for a model that is not a `CausalTransformer`.
+
+    Example:
+        >>> step = decode_step(model, variables)   # doctest: +SKIP
+        >>> state = step.start(cache)   # doctest: +SKIP
+        >>> logits, state = step(state, ids, positions, positions, active)   # doctest: +SKIP
+    """
+    splittable = isinstance(model, CausalTransformer)
+    if split_layers and not splittable:
+        raise TypeError(f"split_layers=True needs a CausalTransformer; got {type(model).__name__}")
+    if splittable and split_layers is not False:
+        return _LayerSplitStep(model, variables)
+    return _CachedModelStep(model, variables)

@@ -1,0 +1,273 @@
+"""Compiled batch generation with the decoder's key/value cache.
+
+`generate` samples up to ``R`` ids for each of ``B`` left-padded prompts in one compiled
+call:
+
+1. **Prefill, packed.** The padded ``[B, P]`` batch goes through the decoder once. Row b's
+   real ids (its last ``n_b`` columns) are written to cache slots ``[0, n_b)`` with
+   positions ``0 .. n_b - 1``; its padding is given negative slots, which the decoder drops.
+   So prompts of any valid lengths share one compiled shape, and row b's ``t``-th sampled id
+   later lands in slot ``n_b + t``. Only the last column's hidden state goes through the
+   output projection.
+2. **Decode loop.** A ``lax.while_loop`` feeds each row's last sampled id, one position per
+   step, and stops as soon as every row has finished (EOS or budget): no Python runs per
+   token and no value goes back to the host until the end. A finished row is given an
+   out-of-range write offset, so the decoder drops its writes and its cache stays
+   bit-for-bit unchanged; its later outputs are ``pad_id`` with log-probabilities 0.
+3. **Sampling** is `dew_pipe.sampling.sample`, so every id comes with its raw model
+   log-probability and its behavior log-probability.
+
+The cache holds ``P + R - 1`` slots (the last sampled id never goes through the model).
+For speed the layer scan is unrolled inside the compiled function (parameters keep their
+stacked layout; only the loop structure changes): per-layer slices of the weights and of
+the cache then have static offsets, which XLA can hoist or fuse instead of copying them
+every step. ``benchmarks/generate.py`` measures the result against transformers.
+
+One compile serves each (model, B, P, R, sampling, support, pad_id) combination; jit caches
+it, so repeated calls with the same shapes only run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew_pipe.inference.decoding import decode_step
+from dew_pipe.sampling import Sampling, sample
+
+__all__ = ["Generated", "generate"]
+
+
+class Generated(NamedTuple):
+    """What `generate` returns for ``B`` prompts and a budget of ``R`` ids.
+
+    Attributes:
+        ids: ``[B, R]`` int32 sampled ids; row b's first ``lengths[b]`` are real (EOS
+            included on a natural stop), the rest ``pad_id``.
+        log_probs: ``[B, R]`` float32 raw model log-probabilities of the ids (0 on padding).
+        behavior_log_probs: ``[B, R]`` float32 log-probabilities under the sampling
+            distribution (0 under greedy decoding and on padding).
+        lengths: ``[B]`` int32 number of sampled ids per row, in ``[1, R]``.
+        stopped: ``[B]`` bool, True where EOS ended the row, False where the budget did.
+        support: ``[B, R, V]`` bool kept ids of each step, or None unless asked for.
+    """
+
+    ids: jax.Array
+    log_probs: jax.Array
+    behavior_log_probs: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    support: jax.Array | None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} is {value!r}; expected a positive int")
+    return int(value)
+
+
+def _check_prompts(model: Any, prompts: Any, prompt_lengths: Any) -> tuple[np.ndarray, int]:
+    """Host-side checks of the prompt batch (before any compile); returns the lengths."""
+    shape = np.shape(prompts)
+    dtype = getattr(prompts, "dtype", None) or np.asarray(prompts).dtype
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"prompts has shape {shape}; expected [batch, prompt_len] with both >= 1")
+    if not np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_):
+        raise TypeError(f"prompts has dtype {dtype}; expected integer token ids")
+    lengths = np.asarray(prompt_lengths)
+    if not np.issubdtype(lengths.dtype, np.integer) or np.issubdtype(lengths.dtype, np.bool_):
+        raise TypeError(f"prompt_lengths has dtype {lengths.dtype}; expected integers")
+    if lengths.shape != (shape[0],):
+        raise ValueError(f"prompt_lengths has shape {lengths.shape}; expected [{shape[0]}]")
+    if lengths.min() < 1 or lengths.max() > shape[1]:
+        raise ValueError(
+            f"prompt_lengths has values in [{lengths.min()}, {lengths.max()}]; expected each "
+            f"in [1, {shape[1]}] (a prompt needs at least one id)"
+        )
+    if isinstance(prompts, np.ndarray):
+        # Device arrays are not pulled back just to check them; ids out of range there
+        # would embed garbage (jnp.take clamps), so callers with host data get the check.
+        vocab = model.config.vocab_size
+        real = np.arange(shape[1])[None, :] >= (shape[1] - lengths)[:, None]
+        used = prompts[real]
+        if used.size and (used.min() < 0 or used.max() >= vocab):
+            raise ValueError(
+                f"prompts holds ids in [{used.min()}, {used.max()}]; expected ids in "
+                f"[0, {vocab}) (vocab_size)"
+            )
+    return lengths, int(shape[1])
+
+
+def generate(
+    model: Any,
+    variables: Any,
+    prompts: Any,
+    prompt_lengths: Any,
+    max_new_tokens: int,
+    key: jax.Array,
+    sampling: Sampling | None = None,
+    *,
+    support: bool = False,
+    pad_id: int = 0,
+) -> Generated:
+    """Samples up to ``max_new_tokens`` ids for each left-padded prompt, in one compiled call.
+
+    Args:
+        model: a decoder with the `CausalTransformer` call forms (``features``/``logits``
+            methods, ``init_cache``) and a ``config`` with ``vocab_size``/``max_seq_len``.
+        variables: its ``{"params": ...}``.
+        prompts: ``[B, P]`` int token ids, left padded (row b's ids are its last
+            ``prompt_lengths[b]`` columns; the padding values are ignored).
+        prompt_lengths: ``[B]`` int, each in ``[1, P]``.
+        max_new_tokens: the budget ``R`` (>= 1); ``P + R - 1`` must fit ``max_seq_len``.
+        key: a PRNG key; step t draws with ``fold_in(key, t)``.
+        sampling: the controls (default `Sampling()`: temperature 1, no EOS).
+        support: also return each step's kept ids (``[B, R, V]`` bool; costs memory).
+        pad_id: the id written after a row has finished.
+
+    Returns:
+        A `Generated` of device arrays.
+
+    Raises:
+        TypeError / ValueError: bad shapes, dtypes, lengths, ids out of the vocabulary,
+            EOS ids out of the vocabulary, or a budget that overflows ``max_seq_len``.
+
+    Example:
+        >>> out = generate(model, variables, prompts, lengths, 8, jax.random.key(0),
+        ...                Sampling(eos_id=2, temperature=0))   # doctest: +SKIP
+        >>> out.ids.shape   # doctest: +SKIP
+        (4, 8)
+    """
+    sampling = Sampling() if sampling is None else sampling
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
+    budget = _positive_int("max_new_tokens", max_new_tokens)
+    lengths, width = _check_prompts(model, prompts, prompt_lengths)
+    cfg = model.config
+    sampling.check_vocab(cfg.vocab_size)
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer) or pad_id < 0:
+        raise ValueError(f"pad_id is {pad_id!r}; expected a nonnegative int")
+    if width + budget - 1 > cfg.max_seq_len:
+        raise ValueError(
+            f"prompt_len ({width}) + max_new_tokens ({budget}) - 1 = {width + budget - 1} "
+            f"exceeds the model's max_seq_len={cfg.max_seq_len}"
+        )
+    return _compiled(
+        model,
+        variables,
+        model.init_cache(len(lengths), width + budget - 1),
+        jnp.asarray(prompts, jnp.int32),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.full(len(lengths), budget, jnp.int32),
+        key,
+        budget=budget,
+        sampling=sampling,
+        support=bool(support),
+        pad_id=int(pad_id),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "budget", "sampling", "support", "pad_id"),
+)
+def _compiled(
+    model: Any,
+    variables: Any,
+    cache: dict[str, jax.Array],
+    prompts: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    key: jax.Array,
+    *,
+    budget: int,
+    sampling: Sampling,
+    support: bool,
+    pad_id: int,
+) -> Generated:
+    batch, width = prompts.shape
+    start = width - lengths
+    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
+    real = columns >= start[:, None]
+    hidden, cache = model.apply(
+        variables,
+        prompts,
+        real.astype(jnp.int32),
+        jnp.where(real, columns - start[:, None], 0),
+        cache=cache,
+        cache_index=-start,
+        method="features",
+    )
+    logits = model.apply(variables, hidden[:, -1], method="logits")
+    first = sample(logits, jax.random.fold_in(key, 0), sampling, support=support)
+    step_fn = decode_step(model, variables)
+
+    def column(values: jax.Array, fill: Any = 0) -> jax.Array:
+        shape = (batch, budget, *values.shape[1:])
+        return jnp.full(shape, fill, values.dtype).at[:, 0].set(values)
+
+    out = {
+        "ids": column(first.ids, pad_id),
+        "log_probs": column(first.log_probs),
+        "behavior_log_probs": column(first.behavior_log_probs),
+    }
+    if support:
+        out["support"] = column(first.support)
+    count = jnp.ones((batch,), jnp.int32)
+    stopped = sampling.is_eos(first.ids)
+    state = dict(
+        step=jnp.int32(1),
+        decode=step_fn.start(cache),
+        last=first.ids,
+        stopped=stopped,
+        done=stopped | (count >= limits),
+        count=count,
+        out=out,
+    )
+
+    def running(state: dict[str, Any]) -> jax.Array:
+        return (state["step"] < budget) & ~jnp.all(state["done"])
+
+    def step(state: dict[str, Any]) -> dict[str, Any]:
+        t, active = state["step"], ~state["done"]
+        # Row b feeds the id it sampled last, at position (and slot) n_b + t - 1.
+        position = lengths + t - 1
+        logits, decode = step_fn(state["decode"], state["last"], position, position, active)
+        drawn = sample(logits, jax.random.fold_in(key, t), sampling, support=support)
+        values = {
+            "ids": jnp.where(active, drawn.ids, pad_id),
+            "log_probs": jnp.where(active, drawn.log_probs, 0.0),
+            "behavior_log_probs": jnp.where(active, drawn.behavior_log_probs, 0.0),
+        }
+        if support:
+            values["support"] = drawn.support & active[:, None]
+        out = {
+            name: jax.lax.dynamic_update_index_in_dim(state["out"][name], values[name], t, 1)
+            for name in state["out"]
+        }
+        count = state["count"] + active.astype(jnp.int32)
+        stopped = state["stopped"] | (active & sampling.is_eos(drawn.ids))
+        return dict(
+            step=t + 1,
+            decode=decode,
+            last=jnp.where(active, drawn.ids, state["last"]),
+            stopped=stopped,
+            done=stopped | (count >= limits),
+            count=count,
+            out=out,
+        )
+
+    state = jax.lax.while_loop(running, step, state)
+    out = state["out"]
+    return Generated(
+        ids=out["ids"],
+        log_probs=out["log_probs"],
+        behavior_log_probs=out["behavior_log_probs"],
+        lengths=state["count"],
+        stopped=state["stopped"],
+        support=out.get("support"),
+    )
