@@ -1,0 +1,151 @@
+"""The SFT recipe for :class:`~dew_pipe.tasks.ArithmeticTask`: model, optimizer, batches, steps.
+
+:class:`SFTRecipe` gathers the settings that travel together; :func:`train_sft` runs them with
+the ordinary :class:`~dew_pipe.Trainer` and ``LMObjective(loss_role=Role.ASSISTANT)``.
+``benchmarks/arithmetic_sft.py`` measures a recipe's held-out exact match against steps and
+time; the figures are in ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from dew_pipe import models
+from dew_pipe.data.chat import Role
+from dew_pipe.objectives.lm import LMObjective
+from dew_pipe.tasks.arithmetic import ArithmeticTask
+from dew_pipe.trainer import Trainer, TrainState
+
+__all__ = ["SFTRecipe", "train_sft"]
+
+
+def _positive(name: str, value: Any, kind: type) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise ValueError(f"SFTRecipe.{name} is {value!r}; expected a positive {kind.__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTRecipe:
+    """Model size and SFT schedule for an arithmetic task.
+
+    Args:
+        emb_features: residual width of the decoder.
+        num_layers: decoder blocks.
+        num_heads: attention heads (must divide ``emb_features`` into even head widths).
+        mlp_features: hidden width of each block's SwiGLU MLP.
+        seq_len: ``L``; each training row holds ``L + 1`` ids, several problems packed.
+        batch: rows per step.
+        steps: optimizer updates.
+        learning_rate: peak AdamW learning rate.
+        warmup: linear warm-up updates, then cosine decay to 10% of the peak at ``steps``.
+        weight_decay: AdamW decoupled weight decay.
+        clip: global gradient-norm clip.
+
+    Raises:
+        ValueError: a non-positive setting, or ``warmup`` not below ``steps``.
+
+    Example:
+        >>> SFTRecipe(steps=100, warmup=10).steps
+        100
+    """
+
+    emb_features: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_features: int = 512
+    seq_len: int = 63
+    batch: int = 32
+    steps: int = 1500
+    learning_rate: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("emb_features", "num_layers", "num_heads", "mlp_features", "seq_len"):
+            _positive(name, getattr(self, name), int)
+        for name in ("batch", "steps", "warmup"):
+            _positive(name, getattr(self, name), int)
+        for name in ("learning_rate", "clip"):
+            _positive(name, getattr(self, name), float)
+        if not isinstance(self.weight_decay, float) or self.weight_decay < 0:
+            raise ValueError(f"SFTRecipe.weight_decay is {self.weight_decay!r}; expected >= 0.0")
+        if self.warmup >= self.steps:
+            raise ValueError(
+                f"SFTRecipe.warmup is {self.warmup}; expected fewer than steps={self.steps}"
+            )
+
+    def model(self, task: ArithmeticTask) -> Any:
+        """The decoder for ``task``: its vocabulary, and room for training rows and answers."""
+        return models.build(
+            "causal_transformer",
+            vocab_size=task.vocab_size,
+            emb_features=self.emb_features,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            mlp_features=self.mlp_features,
+            max_seq_len=max(self.seq_len, task.max_prompt_len + task.max_new_tokens),
+        )
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """Clipped AdamW on a warm-up then cosine schedule."""
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, self.learning_rate, self.warmup, self.steps, end_value=0.1 * self.learning_rate
+        )
+        return optax.chain(
+            optax.clip_by_global_norm(self.clip),
+            optax.adamw(schedule, b2=0.98, weight_decay=self.weight_decay),
+        )
+
+    def objective(self, model: Any) -> LMObjective:
+        """Next-token loss on the answer and EOS only (``loss_role=Role.ASSISTANT``)."""
+        return LMObjective(model, self.seq_len, loss_role=Role.ASSISTANT, ema_decay=None)
+
+
+def train_sft(
+    task: ArithmeticTask,
+    recipe: SFTRecipe | None = None,
+    *,
+    key: jax.Array,
+    log: Callable[[dict[str, Any]], None] | None = None,
+    progress: bool | None = None,
+    run_dir: str | None = None,
+    rollout: Callable[..., Any] | None = None,
+) -> tuple[Any, TrainState]:
+    """Supervised fine-tuning of a fresh decoder on ``task`` with ``recipe``.
+
+    Args:
+        task: the task (its SFT batches, tokenizer size and lengths).
+        recipe: the settings; default ``SFTRecipe()``.
+        key: PRNG key of the initialization.
+        log, progress, run_dir: passed to :class:`~dew_pipe.Trainer`.
+        rollout: a host hook ``batch = rollout(state, batch, key)`` passed to the Trainer
+            (for example a probe that evaluates ``state.params`` now and then and returns
+            the batch unchanged).
+
+    Returns:
+        ``(model, state)``; ``state.params`` is the fine-tuned ``{"params": ...}``.
+
+    Example:
+        >>> model, state = train_sft(ArithmeticTask(digits=2), SFTRecipe(steps=300, warmup=30),
+        ...                          key=jax.random.key(0))  # doctest: +SKIP
+        >>> task.evaluate(model, state.params)  # doctest: +SKIP
+    """
+    recipe = SFTRecipe() if recipe is None else recipe
+    model = recipe.model(task)
+    trainer = Trainer(
+        recipe.objective(model),
+        recipe.optimizer(),
+        key=key,
+        log=log,
+        progress=progress,
+        run_dir=run_dir,
+        rollout=rollout,
+    )
+    data = task.sft_dataset(recipe.batch, recipe.seq_len)
+    return model, trainer.fit(data, steps=recipe.steps, log_every=max(1, recipe.steps // 10))

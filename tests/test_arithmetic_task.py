@@ -1,0 +1,405 @@
+"""The generated arithmetic task: data, splits, tokenizer, checker, reward, greedy evaluation."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from dew_pipe import models
+from dew_pipe.data import Prompts, decode_text_column
+from dew_pipe.data.chat import Role
+from dew_pipe.tasks import ArithmeticTask, build_char_tokenizer, greedy_complete, reward
+from dew_pipe.tasks.problems import (
+    format_answer,
+    held_out,
+    is_correct,
+    normalize_completion,
+    sample_problems,
+)
+
+_PROBLEM = re.compile(r"(\d+)([-+*])(\d+)=")
+
+
+def _exact(prompt: str) -> int:
+    """The answer of a prompt text, by Python's own integer arithmetic."""
+    left, op, right = _PROBLEM.fullmatch(prompt).groups()
+    a, b = int(left), int(right)
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def _key(prompt: str) -> tuple[int, str, int]:
+    left, op, right = _PROBLEM.fullmatch(prompt).groups()
+    return int(left), op, int(right)
+
+
+@pytest.fixture(scope="module")
+def task() -> ArithmeticTask:
+    return ArithmeticTask(seed=3, digits=3, operations="+-*", test_size=300)
+
+
+# --- generation and splits ----------------------------------------------------------------
+
+
+def test_same_seed_same_data_and_other_seed_other_data(task):
+    again = ArithmeticTask(seed=3, digits=3, operations="+-*", test_size=300)
+    assert again.records("test") == task.records("test")
+    assert again.records("train", 50) == task.records("train", 50)
+    for name, value in task.sft_rows(7, 4, 40).items():
+        np.testing.assert_array_equal(value, again.sft_rows(7, 4, 40)[name])
+    other = ArithmeticTask(seed=4, digits=3, operations="+-*", test_size=300)
+    assert other.records("test") != task.records("test")
+    assert not np.array_equal(other.sft_rows(7, 4, 40)["text"], task.sft_rows(7, 4, 40)["text"])
+    assert not np.array_equal(task.sft_rows(8, 4, 40)["text"], task.sft_rows(7, 4, 40)["text"])
+
+
+def test_a_shorter_draw_is_a_prefix_of_a_longer_one(task):
+    assert task.records("train", 40) == task.records("train", 2000)[:40]
+    assert task.records("test", 10) == task.records("test")[:10]
+
+
+def test_ground_truths_are_the_exact_answers(task):
+    for record in task.records("test") + task.records("train", 300):
+        assert record["ground_truth"] == str(_exact(record["prompt"]))
+        assert record["data_source"] == "arithmetic/reversed"
+    ops = {_key(r["prompt"])[1] for r in task.records("test")}
+    assert ops == {"+", "-", "*"}
+    assert any(int(r["ground_truth"]) < 0 for r in task.records("test"))  # 12-345 is negative
+
+
+def _sft_problems(task: ArithmeticTask, batches: range, rows: int, width: int) -> list[str]:
+    """Prompt texts of every problem packed in some SFT batches, read back from the ids."""
+    prompts = []
+    for index in batches:
+        batch = task.sft_rows(index, rows, width)
+        for row in range(rows):
+            segments = batch["text_segment_ids"][row]
+            for segment in range(1, segments.max() + 1):
+                text = task.decode(batch["text"][row][segments == segment])
+                prompts.append(text[: text.index("=") + 1])
+    return prompts
+
+
+def test_train_and_test_are_disjoint_by_problem(task):
+    test = {_key(r["prompt"]) for r in task.records("test")}
+    train = [r["prompt"] for r in task.records("train", 5000)]
+    train += _sft_problems(task, range(20), 16, 40)
+    assert len(train) > 6000
+    assert not test & {_key(p) for p in train}
+    # The rule is the hash: every test problem is held out, no training problem is.
+    assert held_out(task.problems("test"), task.seed, task.holdout).all()
+    assert not held_out(task.problems("train", 5000), task.seed, task.holdout).any()
+
+
+def test_holdout_share_and_digit_ranges():
+    rng = np.random.default_rng(0)
+    problems = sample_problems(rng, 200_000, min_digits=2, max_digits=4, operations=("+",))
+    assert 0.045 < held_out(problems, seed=1, holdout=0.05).mean() < 0.055
+    for operand in (problems.left, problems.right):
+        digits = np.char.str_len(operand.astype(str))
+        assert set(np.unique(digits)) == {2, 3, 4}
+        np.testing.assert_allclose(np.bincount(digits)[2:] / len(digits), 1 / 3, atol=0.01)
+
+
+def test_one_digit_task_repeats_its_few_held_out_problems():
+    task = ArithmeticTask(seed=0, digits=1, holdout=0.2, test_size=100)
+    test = task.records("test")
+    assert len(test) == 100 and len({r["prompt"] for r in test}) < 40
+    assert not {r["prompt"] for r in test} & {r["prompt"] for r in task.records("train", 500)}
+
+
+# --- answer formats, checker and reward ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "plain", "reversed_"),
+    [
+        (522, "522", "225"),
+        (-448, "-448", "-844"),
+        (100, "100", "001"),
+        (0, "0", "0"),
+        (7, "7", "7"),
+    ],
+)
+def test_answer_formats(value, plain, reversed_):
+    assert format_answer(value, "plain") == plain
+    assert format_answer(value, "reversed") == reversed_
+    assert normalize_completion(reversed_ + "</s>", "reversed") == str(value)
+
+
+@pytest.mark.parametrize(
+    ("completion", "truth", "answer_format", "expected"),
+    [
+        ("522", "522", "plain", True),
+        ("522</s>", "522", "plain", True),
+        ("  522 </s>", "522", "plain", True),
+        ("522</s>99", "522", "plain", True),  # text after the first EOS is not the answer
+        ("0522", "522", "plain", False),
+        ("+522", "522", "plain", False),
+        ("522<pad>", "522", "plain", False),
+        ("52", "522", "plain", False),
+        ("5222</s>", "522", "plain", False),
+        ("", "0", "plain", False),
+        ("225</s>", "522", "reversed", True),
+        ("522</s>", "522", "reversed", False),
+        ("-844</s>", "-448", "reversed", True),
+        ("844-</s>", "-448", "reversed", False),
+        ("001</s>", "100", "reversed", True),
+        ("0010</s>", "100", "reversed", False),
+        ("0</s>", "0", "reversed", True),
+        ("-0</s>", "0", "reversed", False),
+    ],
+)
+def test_exact_match_rule(completion, truth, answer_format, expected):
+    assert is_correct(completion, truth, answer_format) is expected
+    source = f"arithmetic/{answer_format}"
+    assert reward(source, completion, truth, "{}") == float(expected)
+
+
+def test_reward_refuses_bad_input():
+    with pytest.raises(ValueError, match="data_source is 'gsm8k'"):
+        reward("gsm8k", "1", "1", "")
+    with pytest.raises(ValueError, match="data_source is 'arithmetic/upside'"):
+        reward("arithmetic/upside", "1", "1", "")
+    with pytest.raises(ValueError, match="ground_truth is '007'"):
+        reward("arithmetic/plain", "7", "007", "")
+    with pytest.raises(ValueError, match="ground_truth is '-0'"):
+        reward("arithmetic/plain", "0", "-0", "")
+    with pytest.raises(TypeError, match="completion is list"):
+        reward("arithmetic/plain", [7], "7", "")
+    with pytest.raises(TypeError, match="ground_truth is int"):
+        reward("arithmetic/plain", "7", 7, "")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"digits": 0}, ValueError, "digits is 0"),
+        ({"digits": 10}, ValueError, "digits is 10"),
+        ({"digits": 2.0}, TypeError, "digits is 2.0"),
+        ({"digits": 2, "min_digits": 3}, ValueError, "min_digits is 3"),
+        ({"operations": "/"}, ValueError, "operations holds '/'"),
+        ({"operations": ""}, ValueError, "operations is ''"),
+        ({"operations": "++"}, ValueError, "each symbol once"),
+        ({"operations": 3}, TypeError, "operations is 3"),
+        ({"answer_format": "mirror"}, ValueError, "answer_format is 'mirror'"),
+        ({"holdout": 0.0}, ValueError, "holdout is 0.0"),
+        ({"holdout": 0.6}, ValueError, "holdout is 0.6"),
+        ({"test_size": 0}, ValueError, "test_size is 0"),
+        ({"seed": -1}, ValueError, "seed is -1"),
+    ],
+)
+def test_task_settings_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ArithmeticTask(**kwargs)
+
+
+def test_task_calls_are_checked(task):
+    with pytest.raises(ValueError, match="split is 'val'"):
+        task.records("val")
+    with pytest.raises(ValueError, match="n is 301"):
+        task.problems("test", 301)
+    with pytest.raises(ValueError, match="seq_len is 9; expected at least 14"):
+        task.sft_dataset(batch=4, seq_len=9)
+    with pytest.raises(ValueError, match="rows is 0"):
+        task.sft_rows(0, 0, 40)
+    with pytest.raises(ValueError, match="ids hold"):
+        task.decode([5, 18])
+    tiny = ArithmeticTask(seed=0, digits=1, holdout=0.001, test_size=5)
+    with pytest.raises(ValueError, match="test split of digits=1"):
+        tiny.records("test")
+
+
+# --- tokenizer, SFT rows and prompt batches -----------------------------------------------
+
+
+def test_tokenizer_matches_the_task_ids_and_round_trips(task, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = task.tokenizer()
+    assert len(tokenizer) == task.vocab_size == 18
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (task.eos_id, task.pad_id)
+    prompts, lengths = task.prompt_arrays("test", 50)
+    for record, row, length in zip(task.records("test", 50), prompts, lengths, strict=True):
+        ids = tokenizer.encode(record["prompt"])
+        assert row[len(row) - length :].tolist() == ids
+        assert task.decode(ids) == tokenizer.decode(ids) == record["prompt"]
+    assert tokenizer.decode([7, 6, 2, 0]) == task.decode([7, 6, 2, 0]) == "32</s><pad>"
+    assert tokenizer.encode("1 x") == [5, 3, 3]  # outside the alphabet: <unk>
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).encode("12+3=") == tokenizer.encode("12+3=")
+
+
+def test_chat_template_marks_the_answer_and_eos_as_the_assistant_span(task):
+    rendered = task.tokenizer().apply_chat_template(
+        [{"role": "user", "content": "9+11="}, {"role": "assistant", "content": "02"}],
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    assert task.decode(rendered["input_ids"]) == "9+11=02</s>"
+    assert rendered["assistant_masks"] == [0] * 5 + [1] * 3
+    generation = task.tokenizer().apply_chat_template(
+        [{"role": "user", "content": "9+11="}], add_generation_prompt=True
+    )
+    assert generation["input_ids"] == task.tokenizer().encode("9+11=")
+
+
+def test_char_tokenizer_refuses_bad_alphabets():
+    with pytest.raises(ValueError, match="repeats '1' at index 2"):
+        build_char_tokenizer("121")
+    with pytest.raises(ValueError, match="holds ' '"):
+        build_char_tokenizer("1 2")
+    with pytest.raises(ValueError, match="holds '<'"):
+        build_char_tokenizer("1<")
+    with pytest.raises(TypeError, match="alphabet is list"):
+        build_char_tokenizer(["1"])
+
+
+def test_sft_rows_hold_problems_answer_roles_and_packing(task):
+    rows, width = 6, 48
+    batch = task.sft_rows(0, rows, width)
+    assert {k: v.shape for k, v in batch.items()} == dict.fromkeys(batch, (rows, width))
+    count = 0
+    for row in range(rows):
+        segments, roles = batch["text_segment_ids"][row], batch["text_roles"][row]
+        real = segments > 0
+        # Segments are 1, 2, ... from the left, padding only at the end.
+        assert real[: real.sum()].all() and not real[real.sum() :].any()
+        assert (roles[~real] == Role.NONE).all() and (batch["text"][row][~real] == 0).all()
+        for segment in range(1, segments.max() + 1):
+            where = segments == segment
+            ids, role = batch["text"][row][where], roles[where]
+            np.testing.assert_array_equal(batch["text_positions"][row][where], np.arange(len(ids)))
+            text = task.decode(ids)
+            prompt, answer = text[: text.index("=") + 1], text[text.index("=") + 1 :]
+            assert answer == format_answer(_exact(prompt), "reversed") + "</s>"
+            np.testing.assert_array_equal(role[: len(prompt)], Role.USER)
+            np.testing.assert_array_equal(role[len(prompt) :], Role.ASSISTANT)
+            count += 1
+        # Next-fit: the row's free tail is shorter than the longest problem.
+        assert width - real.sum() < task.max_prompt_len + task.max_new_tokens
+    assert count >= rows * 3
+
+
+def test_sft_dataset_resumes_and_splits_over_processes(task):
+    data = task.sft_dataset(batch=4, seq_len=39)
+    first = data.open_train((0, 1))
+    batches = [next(first) for _ in range(3)]
+    resumed = data.open_train((0, 1))
+    resumed.set_state(first.get_state())
+    np.testing.assert_array_equal(next(resumed)["text"], task.sft_rows(3, 4, 40)["text"])
+    low, high = data.open_train((0, 2)), data.open_train((1, 2))
+    whole = batches[0]["text"]
+    np.testing.assert_array_equal(np.concatenate([next(low)["text"], next(high)["text"]]), whole)
+    with pytest.raises(ValueError, match="state is"):
+        resumed.set_state({"next_batch": -1})
+    val = list(data.open_val((0, 1)))
+    answers = (np.concatenate([b["text_roles"] for b in val]) == Role.ASSISTANT).sum()
+    expected = sum(len(t) + 1 for t in task.problems("test").targets("reversed"))
+    assert answers == expected  # every test problem once, answer and EOS
+
+
+def test_prompts_batches_carry_the_reward_metadata(task):
+    prompts = task.prompts("test", 8, shuffle=False)
+    assert isinstance(prompts, Prompts)
+    batch = next(prompts.load(batch=8).train((0, 1)))
+    records = task.records("test", 8)
+    assert decode_text_column(batch["ground_truth"]) == [r["ground_truth"] for r in records]
+    assert set(decode_text_column(batch["data_source"])) == {"arithmetic/reversed"}
+    info = [json.loads(x) for x in decode_text_column(batch["extra_info"])]
+    assert info == [{"split": "test", "index": i} for i in range(8)]
+    expected, lengths = task.prompt_arrays("test", 8)
+    np.testing.assert_array_equal(batch["prompt"], expected)
+    np.testing.assert_array_equal(batch["prompt_length"], lengths)
+
+
+# --- greedy completion and evaluation -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model = models.build(
+        "causal_transformer",
+        vocab_size=18,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=16,
+    )
+    variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 4), np.int32))
+    return model, variables
+
+
+def test_greedy_complete_matches_a_plain_decoding_loop(task, tiny_model):
+    model, variables = tiny_model
+    # The reference runs the model as a plain LM on each unpadded sequence, right-filled to a
+    # fixed width (the causal mask keeps the fill from reaching the column read).
+    forward = jax.jit(model.apply)
+    prompts, lengths = task.prompt_arrays("test", 6)
+    # An untrained model rarely says </s>; take as EOS an id it does say, to test stopping.
+    first, _ = greedy_complete(model, variables, prompts, lengths, 7, eos_id=2, pad_id=0)
+    eos = int(first[0, 2])
+    ids, counts = greedy_complete(model, variables, prompts, lengths, 7, eos_id=eos, pad_id=0)
+    assert counts.min() < 7
+    for row in range(6):
+        sequence = list(prompts[row][prompts.shape[1] - lengths[row] :])
+        expected = []
+        for _ in range(7):
+            window = np.zeros((1, 16), np.int32)
+            window[0, : len(sequence)] = sequence
+            token = int(np.argmax(forward(variables, window)[0, len(sequence) - 1]))
+            expected.append(token)
+            sequence.append(token)
+            if token == eos:
+                break
+        assert counts[row] == len(expected)
+        assert ids[row].tolist() == expected + [0] * (7 - len(expected))
+
+
+def test_greedy_complete_refuses_bad_input(tiny_model):
+    model, variables = tiny_model
+    prompts, lengths = np.full((2, 4), 5, np.int32), np.array([4, 2], np.int32)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=16"):
+        greedy_complete(model, variables, prompts, lengths, 13, eos_id=2)
+    with pytest.raises(ValueError, match=r"prompt_lengths holds values in \[0, 4\]"):
+        greedy_complete(model, variables, prompts, np.array([4, 0]), 3, eos_id=2)
+    with pytest.raises(ValueError, match=r"expected ids in \[0, 18\)"):
+        greedy_complete(model, variables, prompts + 20, lengths, 3, eos_id=2)
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        greedy_complete(model, variables, prompts, lengths, 0, eos_id=2)
+
+
+def test_score_reads_completions_with_the_exact_match_rule(task):
+    truths = task.problems("test", 3).ground_truths()
+    right = [format_answer(int(t), "reversed") + "</s>" for t in truths]
+    wrong = [format_answer(int(t), "plain") + "9</s>" for t in truths]
+    np.testing.assert_array_equal(task.score(right), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(task.score([right[0], wrong[1], right[2]]), [1.0, 0.0, 1.0])
+
+
+@pytest.mark.slow
+def test_sft_learns_two_digit_addition_held_out():
+    from dew_pipe.tasks.recipe import SFTRecipe, train_sft
+
+    task = ArithmeticTask(seed=0, digits=2, test_size=200)
+    recipe = SFTRecipe(
+        emb_features=64,
+        num_layers=2,
+        num_heads=4,
+        mlp_features=256,
+        seq_len=31,
+        batch=32,
+        steps=400,
+        learning_rate=5e-3,
+        warmup=30,
+    )  # measured: 0.985 held-out exact match at step 400 (0.745 at 300)
+    model = recipe.model(task)
+    before = task.evaluate(model, model.init(jax.random.key(0), np.zeros((1, 4), np.int32)))
+    _, state = train_sft(task, recipe, key=jax.random.key(0), progress=False)
+    after = task.evaluate(model, state.params)
+    assert before < 0.05
+    assert after > 0.9
