@@ -1,4 +1,4 @@
-"""The generated arithmetic task: data, splits, tokenizer, checker, reward, greedy evaluation."""
+"""The generated arithmetic task: data, splits, tokenizer, checker, reward, evaluation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from dew_pipe import models
 from dew_pipe.data import Prompts, decode_text_column
 from dew_pipe.data.chat import Role
-from dew_pipe.tasks import ArithmeticTask, build_char_tokenizer, greedy_complete, reward
+from dew_pipe.sampling import Sampling
+from dew_pipe.tasks import ArithmeticTask, build_char_tokenizer, reward
 from dew_pipe.tasks.problems import (
     format_answer,
     held_out,
@@ -316,7 +317,7 @@ def test_prompts_batches_carry_the_reward_metadata(task):
     np.testing.assert_array_equal(batch["prompt_length"], lengths)
 
 
-# --- greedy completion and evaluation -----------------------------------------------------
+# --- completions and evaluation -----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -334,43 +335,70 @@ def tiny_model():
     return model, variables
 
 
-def test_greedy_complete_matches_a_plain_decoding_loop(task, tiny_model):
+def _plain_greedy(forward, variables, prompt: list[int], budget: int) -> list[int]:
+    """Greedy ids after ``prompt``, the model run as a plain LM (``forward``: its jitted
+    apply) on the unpadded sequence, right-filled to a fixed width (the causal mask keeps
+    the fill from the column read)."""
+    sequence, out = list(prompt), []
+    for _ in range(budget):
+        window = np.zeros((1, 16), np.int32)
+        window[0, : len(sequence)] = sequence
+        token = int(np.argmax(forward(variables, window)[0, len(sequence) - 1]))
+        out.append(token)
+        sequence.append(token)
+        if token == 2:
+            break
+    return out
+
+
+def test_completions_match_a_plain_greedy_loop(task, tiny_model):
     model, variables = tiny_model
-    # The reference runs the model as a plain LM on each unpadded sequence, right-filled to a
-    # fixed width (the causal mask keeps the fill from reaching the column read).
+    first = task.completions(model, variables, "test", 8, batch=3)
+    # An untrained model hardly ever says </s>: give id 2 the output column of the id it says
+    # most, so greedy picks </s> (the lower id wins the exact tie) wherever it would say that.
+    counts = np.bincount(np.concatenate([_task_ids(t) for t in first]), minlength=18)
+    head = np.array(variables["params"]["lm_head"])
+    head[:, 2] = head[:, int(np.argmax(counts))]
+    stops = {"params": {**variables["params"], "lm_head": head}}
+    texts = task.completions(model, stops, "test", 8, batch=3)  # 3 calls, the last padded
+    assert any(len(_task_ids(t)) < task.max_new_tokens for t in texts)
+    prompts, lengths = task.prompt_arrays("test", 8)
     forward = jax.jit(model.apply)
-    prompts, lengths = task.prompt_arrays("test", 6)
-    # An untrained model rarely says </s>; take as EOS an id it does say, to test stopping.
-    first, _ = greedy_complete(model, variables, prompts, lengths, 7, eos_id=2, pad_id=0)
-    eos = int(first[0, 2])
-    ids, counts = greedy_complete(model, variables, prompts, lengths, 7, eos_id=eos, pad_id=0)
-    assert counts.min() < 7
-    for row in range(6):
-        sequence = list(prompts[row][prompts.shape[1] - lengths[row] :])
-        expected = []
-        for _ in range(7):
-            window = np.zeros((1, 16), np.int32)
-            window[0, : len(sequence)] = sequence
-            token = int(np.argmax(forward(variables, window)[0, len(sequence) - 1]))
-            expected.append(token)
-            sequence.append(token)
-            if token == eos:
-                break
-        assert counts[row] == len(expected)
-        assert ids[row].tolist() == expected + [0] * (7 - len(expected))
+    for text, row, length in zip(texts, prompts, lengths, strict=True):
+        ids = _plain_greedy(forward, stops, row[len(row) - length :].tolist(), task.max_new_tokens)
+        assert text == task.decode(ids)
 
 
-def test_greedy_complete_refuses_bad_input(tiny_model):
+def _task_ids(text: str) -> np.ndarray:
+    ids = [2] if text.endswith("</s>") else []
+    body = text.removesuffix("</s>")
+    return np.array([4 + "0123456789+-*=".index(c) for c in body] + ids, np.int64)
+
+
+def test_sampled_completions_follow_the_key(task, tiny_model):
     model, variables = tiny_model
-    prompts, lengths = np.full((2, 4), 5, np.int32), np.array([4, 2], np.int32)
-    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=16"):
-        greedy_complete(model, variables, prompts, lengths, 13, eos_id=2)
-    with pytest.raises(ValueError, match=r"prompt_lengths holds values in \[0, 4\]"):
-        greedy_complete(model, variables, prompts, np.array([4, 0]), 3, eos_id=2)
-    with pytest.raises(ValueError, match=r"expected ids in \[0, 18\)"):
-        greedy_complete(model, variables, prompts + 20, lengths, 3, eos_id=2)
-    with pytest.raises(ValueError, match="max_new_tokens is 0"):
-        greedy_complete(model, variables, prompts, lengths, 0, eos_id=2)
+    hot = Sampling(temperature=1.0)
+    one = task.completions(model, variables, "test", 20, sampling=hot, key=jax.random.key(1))
+    again = task.completions(model, variables, "test", 20, sampling=hot, key=jax.random.key(1))
+    other = task.completions(model, variables, "test", 20, sampling=hot, key=jax.random.key(2))
+    assert one == again and one != other
+    with pytest.raises(TypeError, match="sampling is 0.5"):
+        task.completions(model, variables, "test", 2, sampling=0.5)
+
+
+def test_completions_refuse_a_model_too_short(task):
+    short = models.build(
+        "causal_transformer",
+        vocab_size=18,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=8,
+    )
+    variables = jax.eval_shape(short.init, jax.random.key(0), np.zeros((1, 4), np.int32))
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        task.completions(short, variables, "test", 2)
 
 
 def test_score_reads_completions_with_the_exact_match_rule(task):

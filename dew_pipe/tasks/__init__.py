@@ -15,7 +15,6 @@ _LAZY: dict[str, str] = {
     "Problems": "dew_pipe.tasks.problems",
     "is_correct": "dew_pipe.tasks.problems",
     "build_char_tokenizer": "dew_pipe.tasks.char_tokenizer",
-    "greedy_complete": "dew_pipe.tasks.greedy",
 }
 
 __all__ = sorted(_LAZY)

@@ -443,19 +443,41 @@ class ArithmeticTask:
         n: int | None = None,
         *,
         batch: int = 500,
+        sampling: Any = None,
+        key: Any = None,
     ) -> list[str]:
-        """The model's greedy completions of a split's prompts, decoded (``</s>`` kept).
+        """The model's completions of a split's prompts, decoded with ``</s>`` kept.
+
+        Generation is :func:`dew_pipe.inference.generation.generate` with a budget of
+        :attr:`max_new_tokens` ids, stopping at ``</s>``.
 
         Args:
             model: a ``causal_transformer`` with ``vocab_size`` >= 18 and ``max_seq_len`` >=
-                ``max_prompt_len + max_new_tokens``.
+                ``max_prompt_len + max_new_tokens - 1``.
             variables: its ``{"params": ...}``.
             split, n: as :meth:`problems`.
             batch: prompts per compiled call (the last call is padded to it, so one compile
                 serves every call).
-        """
-        from dew_pipe.tasks.greedy import greedy_complete
+            sampling: a :class:`~dew_pipe.sampling.Sampling`; default greedy (temperature 0).
+                Its EOS is always the task's ``</s>``.
+            key: PRNG key for sampled completions (call ``c`` uses ``fold_in(key, c)``);
+                default ``jax.random.key(0)``.
 
+        Raises:
+            ValueError: as :meth:`problems`, or a model too small for the prompts.
+        """
+        import dataclasses
+
+        import jax
+
+        from dew_pipe.inference.generation import generate
+        from dew_pipe.sampling import Sampling
+
+        sampling = Sampling(temperature=0.0) if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
+        sampling = dataclasses.replace(sampling, eos_id=EOS_ID)
+        key = jax.random.key(0) if key is None else key
         batch = _int_in("batch", batch, 1, 2**20)
         prompts, lengths = self.prompt_arrays(split, n)
         count = len(prompts)
@@ -463,16 +485,18 @@ class ArithmeticTask:
         prompts = np.concatenate([prompts, np.repeat(prompts[:1], fill, axis=0)])
         lengths = np.concatenate([lengths, np.repeat(lengths[:1], fill)])
         texts = []
-        for start in range(0, count + fill, batch):
-            ids, used = greedy_complete(
+        for call, start in enumerate(range(0, count + fill, batch)):
+            out = generate(
                 model,
                 variables,
                 prompts[start : start + batch],
                 lengths[start : start + batch],
                 self.max_new_tokens,
-                eos_id=EOS_ID,
+                jax.random.fold_in(key, call),
+                sampling,
                 pad_id=PAD_ID,
             )
+            ids, used = np.asarray(out.ids), np.asarray(out.lengths)
             texts.extend(self.decode(row[:k]) for row, k in zip(ids, used, strict=True))
         return texts[:count]
 
