@@ -4,7 +4,10 @@ Runs :func:`dew_pipe.tasks.recipe.train_sft` with one recipe and, every ``--prob
 steps, evaluates greedy exact match on the held-out test problems from a host hook that sees
 the current parameters (the probe's own time is measured and left out of the training times).
 Prints one table row per probe: steps, training wall seconds, training CPU seconds of this
-process (user + system, all threads), the 1-minute load average, and the exact match.
+process (user + system, all threads), the 1-minute load average, and the exact match. With
+``--groups G`` it also samples G completions per test prompt at temperature 1 and reports
+their mean reward, pass@G and the share of prompts whose G rewards are not all equal (the
+groups that would give GRPO a nonzero advantage).
 
 The machine may be shared: wall seconds then stretch with the load, CPU seconds much less.
 
@@ -22,7 +25,9 @@ import resource
 import time
 
 import jax
+import numpy as np
 
+from dew_pipe.sampling import Sampling
 from dew_pipe.tasks import ArithmeticTask
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
 
@@ -35,8 +40,8 @@ def _cpu() -> float:
 class Probe:
     """A Trainer host hook that evaluates exact match every ``every`` steps."""
 
-    def __init__(self, task: ArithmeticTask, every: int, n: int) -> None:
-        self.task, self.every, self.n = task, every, n
+    def __init__(self, task: ArithmeticTask, every: int, n: int, groups: int) -> None:
+        self.task, self.every, self.n, self.groups = task, every, n, groups
         self.model = None
         self.rows: list[dict[str, float]] = []
         self.paused_wall = self.paused_cpu = 0.0
@@ -55,10 +60,38 @@ class Probe:
             "load1": round(os.getloadavg()[0], 2),
             "exact_match": round(accuracy, 4),
         }
+        if self.groups:
+            row.update(self.sampled(params, step))
         self.rows.append(row)
         print(json.dumps(row), flush=True)
         self.paused_wall += time.perf_counter() - wall
         self.paused_cpu += _cpu() - cpu
+
+    def sampled(self, params, step: int) -> dict[str, float]:
+        """Rewards of ``groups`` completions per test prompt at temperature 1: how much
+        signal GRPO would find (a group whose rewards are all equal has no advantage)."""
+        rewards = np.stack(
+            [
+                self.task.score(
+                    self.task.completions(
+                        self.model,
+                        params,
+                        "test",
+                        self.n,
+                        sampling=Sampling(temperature=1.0),
+                        key=jax.random.key(1000 * step + g),
+                    )
+                )
+                for g in range(self.groups)
+            ],
+            axis=1,
+        )
+        mixed = (rewards.min(axis=1) < rewards.max(axis=1)).mean()
+        return {
+            "sampled_reward": round(float(rewards.mean()), 4),
+            f"pass@{self.groups}": round(float(rewards.max(axis=1).mean()), 4),
+            "mixed_groups": round(float(mixed), 4),
+        }
 
     def __call__(self, state, batch, key):
         step = int(state.step)
@@ -75,6 +108,9 @@ def main() -> None:
     parser.add_argument("--probe-every", type=int, default=250)
     parser.add_argument("--probe-n", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--groups", type=int, default=0, help="also sample this many completions per prompt"
+    )
     fields = {f.name: f for f in dataclasses.fields(SFTRecipe)}
     for name, field in fields.items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(field.default), default=None)
@@ -88,7 +124,7 @@ def main() -> None:
         answer_format=args.format,
     )
     print(json.dumps({"task": vars(args) | {"recipe": dataclasses.asdict(recipe)}}), flush=True)
-    probe = Probe(task, args.probe_every, args.probe_n)
+    probe = Probe(task, args.probe_every, args.probe_n, args.groups)
     probe.model = recipe.model(task)
     probe.start()
     model, state = train_sft(task, recipe, key=jax.random.key(args.seed), rollout=probe)
