@@ -75,13 +75,15 @@ def test_greedy_equals_a_naive_uncached_loop_and_stops_at_eos(setup):
     refs = [naive_greedy(full_logits, variables, p, steps) for p in PROMPTS]
     eos = (refs[0][0][2], refs[1][0][0])  # a tuple: row 0 stops by step 2, row 1 at once
     prompts, lengths = left_padded(PROMPTS)
+    budgets = np.array([steps, steps, 2])  # per-row budgets within one compiled width
     out = generate(
-        model, variables, prompts, lengths, steps, jax.random.key(0), Sampling(eos, 0), pad_id=PAD
+        model, variables, prompts, lengths, budgets, jax.random.key(0), Sampling(eos, 0), pad_id=PAD
     )
+    assert out.ids.shape == (3, steps)
     stops = 0
     for b, (ids, lps) in enumerate(refs):
-        hits = [i for i, t in enumerate(ids) if t in eos]
-        n = hits[0] + 1 if hits else steps
+        hits = [i for i, t in enumerate(ids) if t in eos and i < budgets[b]]
+        n = hits[0] + 1 if hits else budgets[b]
         stops += bool(hits)
         assert int(out.lengths[b]) == n and bool(out.stopped[b]) == bool(hits)
         np.testing.assert_array_equal(out.ids[b, :n], ids[:n])
@@ -214,6 +216,10 @@ def test_decode_step_refuses_to_split_other_models(setup):
         (dict(prompt_lengths=np.array([3])), ValueError, "prompt_lengths has shape \\(1,\\)"),
         (dict(prompts=np.full((2, 3), 32, np.int32)), ValueError, "ids in \\[32, 32\\]"),
         (dict(max_new_tokens=0), ValueError, "max_new_tokens is 0"),
+        (dict(max_new_tokens=np.array([2, 0])), ValueError, "a budget of 0"),
+        (dict(max_new_tokens=np.array([2])), ValueError, "max_new_tokens has shape \\(1,\\)"),
+        (dict(max_new_tokens=np.array([2.0, 1.0])), TypeError, "max_new_tokens has dtype"),
+        (dict(capacity=1), ValueError, "capacity is 1; expected at least the largest budget 2"),
         (dict(max_new_tokens=31), ValueError, "exceeds the model's max_seq_len=32"),
         (dict(sampling=Sampling(eos_id=40)), ValueError, "eos_id contains 40"),
         (dict(sampling="greedy"), TypeError, "sampling is 'greedy'"),
@@ -228,12 +234,13 @@ def test_generate_refuses_bad_input(setup, change, error, match):
         max_new_tokens=2,
         sampling=Sampling(),
         pad_id=0,
+        capacity=None,
     )
     args.update(change)
     with pytest.raises(error, match=match):
         generate(
             model, variables, args["prompts"], args["prompt_lengths"], args["max_new_tokens"],
-            jax.random.key(0), args["sampling"], pad_id=args["pad_id"],
+            jax.random.key(0), args["sampling"], pad_id=args["pad_id"], capacity=args["capacity"],
         )  # fmt: skip
 
 
@@ -278,7 +285,7 @@ def test_text_generation_matches_generate_and_buckets_compiles(setup, policy):
 def _compiles() -> int:
     from dew_pipe.inference import generation
 
-    return generation._compiled._cache_size()
+    return generation._compiled._cache_size()  # jit's count of compiled variants
 
 
 def test_text_generation_stops_on_eos_and_records_support(setup):

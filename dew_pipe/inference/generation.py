@@ -10,21 +10,18 @@ call:
    later lands in slot ``n_b + t``. Only the last column's hidden state goes through the
    output projection.
 2. **Decode loop.** A ``lax.while_loop`` feeds each row's last sampled id, one position per
-   step, and stops as soon as every row has finished (EOS or budget): no Python runs per
-   token and no value goes back to the host until the end. A finished row is given an
-   out-of-range write offset, so the decoder drops its writes and its cache stays
-   bit-for-bit unchanged; its later outputs are ``pad_id`` with log-probabilities 0.
+   step (`dew_pipe.inference.decoding`), and stops as soon as every row has finished (EOS
+   or its budget): no Python runs per token and nothing goes back to the host until the
+   end. A finished row writes nothing more to its cache; its later outputs are ``pad_id``
+   with log-probabilities 0.
 3. **Sampling** is `dew_pipe.sampling.sample`, so every id comes with its raw model
    log-probability and its behavior log-probability.
 
-The cache holds ``P + R - 1`` slots (the last sampled id never goes through the model).
-For speed the layer scan is unrolled inside the compiled function (parameters keep their
-stacked layout; only the loop structure changes): per-layer slices of the weights and of
-the cache then have static offsets, which XLA can hoist or fuse instead of copying them
-every step. ``benchmarks/generate.py`` measures the result against transformers.
-
-One compile serves each (model, B, P, R, sampling, support, pad_id) combination; jit caches
-it, so repeated calls with the same shapes only run.
+The cache holds ``P + R - 1`` slots (the last sampled id never goes through the model). One
+compile serves each (model, B, P, R, sampling, support, pad_id); jit caches it. Rows may
+have their own budgets below ``R`` (enforced inside the loop), which is how callers reuse
+one compiled ``R`` for several budgets. ``benchmarks/generate.py`` measures tokens/s against
+transformers' ``generate``.
 """
 
 from __future__ import annotations
@@ -107,12 +104,13 @@ def generate(
     variables: Any,
     prompts: Any,
     prompt_lengths: Any,
-    max_new_tokens: int,
+    max_new_tokens: Any,
     key: jax.Array,
     sampling: Sampling | None = None,
     *,
     support: bool = False,
     pad_id: int = 0,
+    capacity: int | None = None,
 ) -> Generated:
     """Samples up to ``max_new_tokens`` ids for each left-padded prompt, in one compiled call.
 
@@ -123,18 +121,20 @@ def generate(
         prompts: ``[B, P]`` int token ids, left padded (row b's ids are its last
             ``prompt_lengths[b]`` columns; the padding values are ignored).
         prompt_lengths: ``[B]`` int, each in ``[1, P]``.
-        max_new_tokens: the budget ``R`` (>= 1); ``P + R - 1`` must fit ``max_seq_len``.
-        key: a PRNG key; step t draws with ``fold_in(key, t)``.
+        max_new_tokens: the budget, an int >= 1 or ``[B]`` per-row budgets.
+        key: a PRNG key; step t draws with ``fold_in(key, t)``, row b with row b's noise.
         sampling: the controls (default `Sampling()`: temperature 1, no EOS).
         support: also return each step's kept ids (``[B, R, V]`` bool; costs memory).
         pad_id: the id written after a row has finished.
+        capacity: the compiled budget ``R`` (the outputs' width), at least every row's
+            budget; None means the largest budget. ``P + R - 1`` must fit ``max_seq_len``.
 
     Returns:
         A `Generated` of device arrays.
 
     Raises:
-        TypeError / ValueError: bad shapes, dtypes, lengths, ids out of the vocabulary,
-            EOS ids out of the vocabulary, or a budget that overflows ``max_seq_len``.
+        TypeError / ValueError: bad shapes, dtypes, lengths or budgets, ids out of the
+            vocabulary, EOS ids out of the vocabulary, or ``P + R - 1 > max_seq_len``.
 
     Example:
         >>> out = generate(model, variables, prompts, lengths, 8, jax.random.key(0),
@@ -145,30 +145,47 @@ def generate(
     sampling = Sampling() if sampling is None else sampling
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
-    budget = _positive_int("max_new_tokens", max_new_tokens)
     lengths, width = _check_prompts(model, prompts, prompt_lengths)
+    limits = _budgets(max_new_tokens, len(lengths))
+    room = int(limits.max()) if capacity is None else _positive_int("capacity", capacity)
+    if room < limits.max():
+        raise ValueError(f"capacity is {room}; expected at least the largest budget {limits.max()}")
     cfg = model.config
     sampling.check_vocab(cfg.vocab_size)
     if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer) or pad_id < 0:
         raise ValueError(f"pad_id is {pad_id!r}; expected a nonnegative int")
-    if width + budget - 1 > cfg.max_seq_len:
+    if width + room - 1 > cfg.max_seq_len:
         raise ValueError(
-            f"prompt_len ({width}) + max_new_tokens ({budget}) - 1 = {width + budget - 1} "
+            f"prompt_len ({width}) + max_new_tokens ({room}) - 1 = {width + room - 1} "
             f"exceeds the model's max_seq_len={cfg.max_seq_len}"
         )
     return _compiled(
         model,
         variables,
-        model.init_cache(len(lengths), width + budget - 1),
+        model.init_cache(len(lengths), width + room - 1),
         jnp.asarray(prompts, jnp.int32),
         jnp.asarray(lengths, jnp.int32),
-        jnp.full(len(lengths), budget, jnp.int32),
+        jnp.asarray(limits),
         key,
-        budget=budget,
+        budget=room,
         sampling=sampling,
         support=bool(support),
         pad_id=int(pad_id),
     )
+
+
+def _budgets(value: Any, rows: int) -> np.ndarray:
+    """``[rows]`` int32 budgets from an int or a per-row array (each >= 1)."""
+    if np.ndim(value) == 0:
+        return np.full(rows, _positive_int("max_new_tokens", value), np.int32)
+    array = np.asarray(value)
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"max_new_tokens has dtype {array.dtype}; expected integers")
+    if array.shape != (rows,):
+        raise ValueError(f"max_new_tokens has shape {array.shape}; expected an int or [{rows}]")
+    if array.min() < 1:
+        raise ValueError(f"max_new_tokens has a budget of {array.min()}; expected each >= 1")
+    return array.astype(np.int32)
 
 
 @functools.partial(

@@ -24,10 +24,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dew_pipe.inference.generation import Generated, _compiled
+from dew_pipe.inference.generation import Generated, generate
 from dew_pipe.sampling import Sampling
 
 __all__ = ["Generation", "TextGeneration"]
@@ -251,25 +250,24 @@ class TextGeneration:
         width, room = self._shape(longest, budget)
         rows = _pow2_at_least(len(ids))
         prompts = np.full((rows, width), self.pad_id, np.int32)
-        lengths = np.ones(rows, np.int32)  # padding rows: one pad id, budget 1
+        lengths = np.ones(rows, np.int32)  # padding rows: one pad id, a budget of 1
         limits = np.ones(rows, np.int32)
         for b, c in enumerate(ids):
             prompts[b, width - c.size :] = c
             lengths[b], limits[b] = c.size, budget
         with self._lock:
             variables = self._variables
-        out = _compiled(
+        out = generate(
             self.model,
             variables,
-            self.model.init_cache(rows, width + room - 1),
-            jnp.asarray(prompts),
-            jnp.asarray(lengths),
-            jnp.asarray(limits),
+            prompts,
+            lengths,
+            limits,
             key,
-            budget=room,
-            sampling=sampling,
+            sampling,
             support=self.record_support,
             pad_id=self.pad_id,
+            capacity=room,
         )
         return self._unpack(ids, jax.device_get(out))
 
