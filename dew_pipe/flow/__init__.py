@@ -49,7 +49,7 @@ from dew_pipe.flow.errors import (
     StageFailed,
     StageTimeout,
 )
-from dew_pipe.flow.forms import Map, Sink, Source
+from dew_pipe.flow.forms import Inlet, Map, Outlet, Sink, Source
 from dew_pipe.flow.job import RunContext
 from dew_pipe.flow.metrics import EdgeStats, FlowSnapshot, MetricsWriter, StageStats
 from dew_pipe.flow.pipeline import EdgeSpec, Pipeline
@@ -67,8 +67,10 @@ __all__ = [
     "EndOfStream",
     "FlowError",
     "FlowSnapshot",
+    "Inlet",
     "Map",
     "MetricsWriter",
+    "Outlet",
     "Pipeline",
     "Port",
     "Run",

@@ -1,18 +1,21 @@
 """Thin derived stages: a source of items, a map (optionally on a worker pool) and a sink.
 
 Each takes a callable, or can be subclassed overriding ``items`` / ``apply`` / ``consume``
-(and ``open`` / ``close`` for state, as for any ``Stage``).
+(and ``open`` / ``close`` for state, as for any ``Stage``). ``Inlet`` and ``Outlet`` join a
+running pipeline to a thread outside it: one feeds items in, the other hands items out.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dew_pipe.flow.errors import BuildError, Cancelled, EndOfStream
-from dew_pipe.flow.ports import Port, PortType
+from dew_pipe.flow.errors import BuildError, Cancelled, EndOfStream, FlowError
+from dew_pipe.flow.ports import Port, PortType, item_mismatch
 from dew_pipe.flow.stage import Stage, StageContext
 
 # How often a stage waiting on its worker futures looks at the cancellation flag. Results
@@ -228,3 +231,188 @@ class Sink(Stage):
     def run(self, ctx: StageContext) -> None:
         for item in ctx.read(self.in_port):
             self.consume(item)
+
+
+class Inlet(Stage):
+    """Feeds a running pipeline from another thread: ``put(item)`` there, items flow out here.
+
+    The thread that owns the data (a training loop, a request handler) calls ``put``; the
+    stage's own thread passes the items on, in order, on its one output port. ``end()``
+    ends the stream once the items already put have gone out. An inlet serves one run.
+
+    Args:
+      name: stage name.
+      output_type: the port's type; ``put`` checks each item against it.
+      capacity: items ``put`` may hold before it blocks (on top of the edge's own room).
+      out_port: the port's name.
+
+    ``put`` raises ``FlowError`` once the stream was ended or its run has ended (failed,
+    cancelled, or nobody reads on), so a producer never blocks on a pipeline that is gone;
+    the run's own ``wait()`` then says why. Items still held when the run ends are counted
+    in ``dropped``.
+
+    Example:
+      >>> from dew_pipe.flow import Pipeline, Sink
+      >>> out, inlet = [], Inlet("feed", output_type=int, capacity=4)
+      >>> p = Pipeline("fed")
+      >>> p.chain(inlet, Sink("keep", out.append, input_type=int), capacity=2)
+      >>> run = p.start()
+      >>> for x in (1, 2, 3):
+      ...     inlet.put(x)
+      >>> inlet.end()
+      >>> _ = run.wait(timeout=10)
+      >>> out
+      [1, 2, 3]
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        output_type: Port | PortType,
+        capacity: int = 1,
+        out_port: str = "out",
+    ) -> None:
+        super().__init__(name, outputs={out_port: output_type})
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise BuildError(f"inlet {name!r}: capacity={capacity!r}, expected an int >= 1")
+        self.capacity = capacity
+        self.out_port = out_port
+        self.dropped = 0
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._finished = False
+
+    def put(self, item: Any, timeout: float | None = None) -> None:
+        """Hand ``item`` to the pipeline, waiting while ``capacity`` items are held.
+
+        Raises:
+          TypeError: ``item`` does not fit the port's type.
+          FlowError: the stream was ended, or the inlet's run has ended.
+          TimeoutError: ``timeout`` seconds passed without room.
+        """
+        reason = item_mismatch(item, self.outputs[self.out_port].type)
+        if reason:
+            raise TypeError(f"inlet {self.name!r}: {reason}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._items) >= self.capacity and not (self._finished or self._closed):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"inlet {self.name!r}: no room within {timeout} s")
+                self._cond.wait(left)
+            if self._finished:
+                raise FlowError(f"inlet {self.name!r}: its run has ended")
+            if self._closed:
+                raise FlowError(f"inlet {self.name!r}: the stream was ended; no more items")
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """End the stream after the items already put (idempotent; not the ``close``
+        lifecycle hook, which the runtime calls when the stage's thread ends)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def run(self, ctx: StageContext) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._items and not self._closed:
+                        if ctx.cancelled:
+                            raise Cancelled()
+                        ctx.heartbeat()  # waiting for the outside thread is not stage work
+                        self._cond.wait(_CANCEL_POLL_S)
+                    if not self._items:
+                        return
+                    item = self._items.popleft()
+                    self._cond.notify_all()
+                ctx.put(self.out_port, item)
+                if ctx.downstream_done(self.out_port):
+                    return
+        finally:
+            with self._cond:
+                self._finished = True
+                self.dropped += len(self._items)
+                self._items.clear()
+                self._cond.notify_all()
+
+
+class Outlet(Stage):
+    """Hands a running pipeline's items to another thread: they arrive here, ``get()`` there.
+
+    Args:
+      name: stage name.
+      input_type: the port's type.
+      capacity: items held for ``get`` before the stage stops reading (backpressure).
+      in_port: the port's name.
+
+    ``get`` raises ``EndOfStream`` once the stage has finished (its input ended, or the run
+    was cancelled or failed) and every held item was taken; call the run's ``wait()`` to
+    learn which.
+
+    Example:
+      >>> from dew_pipe.flow import Pipeline, Source
+      >>> outlet = Outlet("results", input_type=int)
+      >>> p = Pipeline("drained")
+      >>> p.chain(Source("src", lambda: range(3), output_type=int), outlet, capacity=1)
+      >>> run = p.start()
+      >>> [outlet.get(timeout=10) for _ in range(3)]
+      [0, 1, 2]
+      >>> _ = run.wait(timeout=10)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        input_type: Port | PortType,
+        capacity: int = 1,
+        in_port: str = "in",
+    ) -> None:
+        super().__init__(name, inputs={in_port: input_type})
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise BuildError(f"outlet {name!r}: capacity={capacity!r}, expected an int >= 1")
+        self.capacity = capacity
+        self.in_port = in_port
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self._finished = False
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next item, waiting up to ``timeout`` seconds (None: as long as it takes).
+
+        Raises:
+          EndOfStream: the stage finished and nothing is left to take.
+          TimeoutError: ``timeout`` passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._items:
+                if self._finished:
+                    raise EndOfStream(f"outlet {self.name!r}: the stream has ended")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"outlet {self.name!r}: nothing within {timeout} s")
+                self._cond.wait(left)
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def run(self, ctx: StageContext) -> None:
+        try:
+            for item in ctx.read(self.in_port):
+                with self._cond:
+                    while len(self._items) >= self.capacity:
+                        if ctx.cancelled:
+                            raise Cancelled()
+                        ctx.heartbeat()
+                        self._cond.wait(_CANCEL_POLL_S)
+                    self._items.append(item)
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
