@@ -109,6 +109,8 @@ class Trainer:
             beyond the one handed to it (default 1). The state's buffers are donated
             to the update as soon as the rollout returns: a rollout that keeps using
             ``state.params`` afterwards (a background engine, say) must copy them.
+            If it has a method ``metrics()`` returning ``{name: number}`` about its last
+            call, those numbers join the step's metrics as ``rollout/<name>``.
         run_dir: directory for ``metrics.jsonl`` and ``checkpoints/``; ``fit`` resumes
             from its newest checkpoint. ``None`` writes nothing.
         checkpoint_every: save every this many steps (and at the end of ``fit``). With a
@@ -235,6 +237,29 @@ class Trainer:
             for name, value in arrays.items()
         }
 
+    def train_step(
+        self, state: TrainState, batch: Mapping[str, Any]
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One compiled update on a host batch, as ``fit`` runs it, for callers that drive
+        the steps themselves (the update stage of a pipeline).
+
+        The batch is checked (``objective.validate``), split over the mesh's ``data`` axis
+        and given to the donated update: ``state`` must not be read afterwards. No rollout,
+        logging, checkpoint or NaN-guard handling runs here; ``metrics["finite"]`` is the
+        guard's verdict (with ``nan_guard="raise"`` a non-finite step returns the state
+        unchanged, so raise on it).
+
+        Returns:
+            ``(new state, metrics)``; the metrics are device scalars.
+
+        Raises:
+            ValueError, TypeError: a batch the objective refuses.
+
+        Example:
+            >>> state, metrics = trainer.train_step(trainer.initial_state(), batch)  # doctest: +SKIP
+        """
+        return self._update(state, self._place(batch, "batch"))
+
     # ----------------------------------------------------------------- evaluation
 
     def evaluate(
@@ -337,6 +362,31 @@ class Trainer:
                 checkpoints.close()
 
 
+def _rollout_metrics(rollout: Any) -> dict[str, float]:
+    """The host metrics a rollout reports about its last call, as ``rollout/<name>``.
+
+    A rollout may offer ``metrics() -> Mapping[str, float]`` (rewards, lengths...); they
+    join that step's metrics, so records average them over the interval like the loss.
+    """
+    report = getattr(rollout, "metrics", None)
+    if report is None or not callable(report):
+        return {}
+    values = report()
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"rollout.metrics() returned {type(values).__name__}; expected a mapping of "
+            "names to numbers"
+        )
+    out = {}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(
+                f"rollout.metrics()[{name!r}] is {value!r}; expected a real number"
+            )
+        out[f"rollout/{name}"] = float(value)
+    return out
+
+
 class _Run:
     """One call of ``fit``: the loop and the host-side bookkeeping it needs."""
 
@@ -387,12 +437,16 @@ class _Run:
             batch = self.stream.next()
             where = f"training batch {self.step + 1}"
             check_batch(batch, self.rows, where=where)
+            reported: dict[str, float] = {}
             if trainer.rollout is not None:
                 key = jax.random.fold_in(self.state.rng, _ROLLOUT_STREAM)
                 batch = trainer.rollout(self.state, batch, key)
+                reported = _rollout_metrics(trainer.rollout)
             placed = trainer._place(batch, where)
             self._check_shapes(placed, where)
             self.state, self.pending = trainer._update(self.state, placed)
+            if reported:
+                self.pending = {**self.pending, **reported}
             self.step += 1
             self.log.add(self.pending)
             due_log = self.step % log_every == 0 or self.step == steps

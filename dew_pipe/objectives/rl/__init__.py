@@ -27,6 +27,12 @@ _LAZY: dict[str, str] = {
     "GRPOObjective": "dew_pipe.objectives.rl.grpo",
     "PolicyOptions": "dew_pipe.objectives.rl.policy",
     "policy_loss": "dew_pipe.objectives.rl.policy",
+    # task readers and the asynchronous scheduler (which lives above, in dew_pipe.stages:
+    # it is composed of stages, so it is only imported when asked for)
+    "task_ids": "dew_pipe.objectives.rl.task_rows",
+    "prompt_tasks": "dew_pipe.objectives.rl.task_rows",
+    "RolloutScheduler": "dew_pipe.stages.scheduler",
+    "SchedulerRecord": "dew_pipe.stages.messages",
 }
 
 __all__ = sorted(_LAZY)

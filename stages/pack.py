@@ -1,0 +1,155 @@
+"""Pack: admits finished sessions into groups and batches, packs them into fixed rows.
+
+The stage wraps :class:`~dew_pipe.stages.admission.Admission` (where every rule lives) in
+the flow runtime: it reads plans, finished sessions and handovers, sends the orders
+admission makes back to rollout (the feedback edge), and puts each ready batch on ``rows``
+as Arrow packed rows, in batch order, with its :class:`~dew_pipe.stages.messages.
+SchedulerRecord` on ``records``.
+
+With ``handover`` connected a batch waits for its handover (so lag is checked against the
+version it will train at); once the handovers end the stage packs nothing more, discards
+what still comes back and ends with its inputs, so every submission rollout made is
+accounted for. Without it, batches go out as soon as they are complete and lag is not
+checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+from dew_pipe.stages.admission import Admission
+from dew_pipe.stages.messages import SESSION_ROWS, Handover, Orders, Plan, SchedulerRecord
+
+from dew_pipe.batches import packed_schema, packed_to_arrow
+from dew_pipe.flow import EndOfStream, Port, Stage, StageContext
+
+__all__ = ["Pack"]
+
+
+class Pack(Stage):
+    """Admission and packing of sessions into ``[rows, width]`` training batches.
+
+    Ports:
+      sessions (in): stamped sessions (from reward, or straight from rollout).
+      plans (in): a :class:`~dew_pipe.stages.messages.Plan` per task batch, from rollout.
+      handover (in, optional): the trainer's handovers, from update.
+      rows (out): packed rows (:func:`~dew_pipe.batches.packed_schema`), one batch per plan.
+      orders (out): resubmissions, cancellations and releases, to rollout (feedback).
+      records (out, optional): one :class:`~dew_pipe.stages.messages.SchedulerRecord`
+        per packed batch, put right after it.
+
+    Args:
+      width, rows, groups, admit, max_lag, max_attempts, truncation, estimator,
+      support_capacity, audit: see :class:`~dew_pipe.stages.admission.Admission`.
+      name: the stage's name.
+
+    Attributes:
+      admission: the bookkeeping of the current (or last) run, created by ``open``.
+      shutdown_cause: the cause recorded for tickets still open when the stage closes.
+    """
+
+    def __init__(
+        self,
+        *,
+        width: int,
+        rows: int,
+        groups: int,
+        admit: int | None = None,
+        max_lag: int | None = None,
+        max_attempts: int = 3,
+        truncation: str = "mask",
+        estimator: str = "group",
+        support_capacity: int | None = None,
+        audit: bool = False,
+        name: str = "pack",
+    ) -> None:
+        super().__init__(
+            name,
+            inputs={
+                "sessions": SESSION_ROWS,
+                "plans": Plan,
+                "handover": Port(Handover, required=False, doc="the trainer's progress"),
+            },
+            outputs={
+                "rows": packed_schema(width, support_capacity=support_capacity),
+                "orders": Orders,
+                "records": Port(SchedulerRecord, required=False, doc="one per batch"),
+            },
+        )
+        self._settings: dict[str, Any] = dict(
+            width=width,
+            rows=rows,
+            groups=groups,
+            admit=admit,
+            max_lag=max_lag,
+            max_attempts=max_attempts,
+            truncation=truncation,
+            estimator=estimator,
+            support_capacity=support_capacity,
+            audit=audit,
+        )
+        self.admission = Admission(**self._settings)  # checks the settings now
+        self.shutdown_cause = "shutdown"
+
+    def open(self) -> None:
+        self.admission = Admission(**self._settings)
+
+    def close(self) -> None:
+        self.admission.shutdown(self.shutdown_cause)
+
+    def run(self, ctx: StageContext) -> None:
+        paced = ctx.connected("handover")
+        while True:
+            if paced and ctx.ended("handover") and self.admission.draining is None:
+                # The trainer is gone. Tell rollout no order follows (it carries out those
+                # before stopping), and keep reading until it has stopped, so every
+                # submission is known and decided; close() decides what still runs.
+                self.admission.drain(self.shutdown_cause)
+                ctx.put("orders", Orders(final=True))
+            ports = [p for p in ("plans", "sessions", "handover") if not ctx.ended(p)]
+            if not ports:
+                return
+            try:
+                got = ctx.get_any(ports)
+            except EndOfStream:
+                continue
+            if got is None:
+                continue
+            port, item = got
+            if port == "plans":
+                self.admission.plan(item)
+            elif port == "handover":
+                self.admission.handover(item)
+            else:
+                self._take(ctx, item)
+            if self.admission.draining is None:
+                self._flush(ctx, paced)
+
+    def _take(self, ctx: StageContext, batch: pa.RecordBatch) -> None:
+        from dew_pipe.stages.messages import unstamp_sessions
+
+        sessions, stamps = unstamp_sessions(batch)
+        for session, stamp in zip(sessions, stamps, strict=True):
+            if not self.admission.knows(stamp.batch):
+                self._drain_plans(ctx)  # rollout put the plan before submitting
+            self.admission.finished(session, stamp)
+
+    def _drain_plans(self, ctx: StageContext) -> None:
+        while True:
+            try:
+                plan = ctx.get("plans", timeout=0)
+            except EndOfStream:
+                return
+            if plan is None:
+                return
+            self.admission.plan(plan)
+
+    def _flush(self, ctx: StageContext, paced: bool) -> None:
+        ready = self.admission.ready(paced)
+        orders = self.admission.take_orders()
+        if orders:
+            ctx.put("orders", orders)
+        for columns, record in ready:
+            ctx.put("rows", packed_to_arrow(columns))
+            ctx.put("records", record)

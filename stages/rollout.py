@@ -1,0 +1,411 @@
+"""Rollout: submits tasks to a SessionSource, stamps what comes back, resubmits on orders.
+
+The stage owns every submission in flight. It takes task batches from ``tasks`` as far as
+the trainer lets it (``ahead`` batches past the one handed over, when ``handover`` is
+connected), submits ``groups + oversample`` samples of each task, and puts each finished
+session on ``sessions`` relabelled with the identity it was submitted under and stamped
+(see :mod:`dew_pipe.stages.messages`). Orders from pack resubmit samples, cancel tickets
+and release packed batches.
+
+Two cancellations are the stage's own, because it holds the clock and the submission
+versions: a session still running ``timeout`` seconds after its submission, and one whose
+submission version lags the trainer by more than ``max_lag`` at a handover. Both are
+cancelled without waiting for the source and reported at once as CANCELLED sessions with
+``cause`` "timeout" or "stale_running"; what the source returns for them later is dropped.
+
+A source whose future raises (instead of resolving to a session with a status) is broken:
+the stage fails with that exception, and ``close`` cancels everything still running.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+from dew_pipe.stages.messages import (
+    SESSION_ROWS,
+    Handover,
+    Orders,
+    Plan,
+    Stamps,
+    stamp_sessions,
+    task_from_row,
+)
+
+from dew_pipe.batches import TASKS_SCHEMA, tasks_from_arrow
+from dew_pipe.flow import Cancelled, EndOfStream, Port, Stage, StageContext
+from dew_pipe.objectives.rl.sessions import Session, Status, Task
+
+__all__ = ["Rollout"]
+
+_POLL_S = 0.05  # how often a wait on futures alone looks at the cancellation flag
+
+
+@dataclasses.dataclass
+class _Live:
+    """One submission in flight."""
+
+    future: cf.Future
+    task: Task
+    batch: int
+    group: int
+    sample: int
+    attempt: int
+    version: int
+    submitted_at: float
+    finished_at: float | None = None
+
+    @property
+    def ticket(self) -> tuple[int, int, int]:
+        return (self.group, self.sample, self.attempt)
+
+    def describe(self) -> str:
+        return (
+            f"task {self.task.id} (batch {self.batch}, group {self.group}, sample "
+            f"{self.sample}, attempt {self.attempt})"
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"None or an int >= {minimum}" if allow_none else f"an int >= {minimum}"
+        raise ValueError(f"{name}={value!r}; expected {expected}")
+
+
+class Rollout(Stage):
+    """Runs tasks on a :class:`~dew_pipe.objectives.rl.sessions.SessionSource`.
+
+    Ports:
+      tasks (in): task batches (:data:`~dew_pipe.batches.TASKS_SCHEMA`).
+      orders (in, optional): :class:`~dew_pipe.stages.messages.Orders` from pack.
+      handover (in, optional): :class:`~dew_pipe.stages.messages.Handover` from update;
+        connected, it paces the stage and ending it ends the stage.
+      sessions (out): stamped sessions (:data:`~dew_pipe.stages.messages.SESSION_ROWS`).
+      plans (out, optional): a :class:`~dew_pipe.stages.messages.Plan` per task batch, put
+        before any of its samples is submitted.
+
+    Args:
+      source: where sessions come from (``submit``, ``cancel``, ``close``).
+      groups: samples each task needs (G).
+      oversample: extra samples submitted per task (K); pack keeps the first G.
+      ahead: task batches submitted beyond the one the trainer was handed (with
+        ``handover`` connected; without it every batch is submitted as it arrives).
+      max_lag: cancel a running session once the trainer's version is more than this
+        many updates past its submission version; None never does.
+      timeout: cancel a session still running this many seconds after submission.
+      version: returns the version weights serve now, read at every submission; None
+        uses the ``served`` version of the last handover (0 before the first).
+      group_ids: where group ids come from (share one across runs of a scheduler so ids
+        stay unique); default ``itertools.count()``.
+      owns_source: close the source when the stage closes.
+      name: the stage's name.
+
+    Raises:
+      ValueError, TypeError: bad arguments.
+
+    Example:
+      >>> import concurrent.futures as cf
+      >>> from dew_pipe.flow import Pipeline, Sink, Source
+      >>> from dew_pipe.batches import TASKS_SCHEMA, tasks_to_arrow
+      >>> from dew_pipe.objectives.rl.sessions import Call
+      >>> class Echo:
+      ...     def submit(self, task, *, group, sample, attempt):
+      ...         f = cf.Future()
+      ...         call = Call(task.data["prompt"], [2], [-0.5], "stop", 0)
+      ...         f.set_result(Session(task, group, sample, attempt, [call], "COMPLETED", 1.0))
+      ...         return f
+      ...     def cancel(self, future): pass
+      ...     def close(self): pass
+      >>> got = []
+      >>> p = Pipeline("rollout-example")
+      >>> p.chain(Source("tasks", [tasks_to_arrow([{"task_id": 5, "prompt": [1]}])],
+      ...                output_type=TASKS_SCHEMA),
+      ...         Rollout(Echo(), groups=2), Sink("keep", got.append, input_type=SESSION_ROWS),
+      ...         capacity=2)
+      >>> _ = p.run(timeout=10)
+      >>> sum(b.num_rows for b in got)
+      2
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        groups: int,
+        oversample: int = 0,
+        ahead: int = 1,
+        max_lag: int | None = None,
+        timeout: float | None = None,
+        version: Callable[[], int] | None = None,
+        group_ids: Iterator[int] | None = None,
+        owns_source: bool = False,
+        name: str = "rollout",
+    ) -> None:
+        super().__init__(
+            name,
+            inputs={
+                "tasks": TASKS_SCHEMA,
+                "orders": Port(Orders, required=False, doc="resubmit / cancel / release"),
+                "handover": Port(Handover, required=False, doc="the trainer's progress"),
+            },
+            outputs={
+                "sessions": SESSION_ROWS,
+                "plans": Port(Plan, required=False, doc="one per task batch taken"),
+            },
+        )
+        for method in ("submit", "cancel"):
+            if not callable(getattr(source, method, None)):
+                raise TypeError(
+                    f"source={source!r} has no {method}(); expected a SessionSource "
+                    "(submit, cancel, close)"
+                )
+        _check_int("groups", groups, 1)
+        _check_int("oversample", oversample, 0)
+        _check_int("ahead", ahead, 0)
+        _check_int("max_lag", max_lag, 0, allow_none=True)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+        ):
+            raise ValueError(f"timeout={timeout!r}; expected None or seconds > 0")
+        if version is not None and not callable(version):
+            raise TypeError(f"version={version!r}; expected None or a callable returning an int")
+        self.source = source
+        self.groups = groups
+        self.samples = groups + oversample
+        self.ahead = ahead
+        self.max_lag = max_lag
+        self.timeout = None if timeout is None else float(timeout)
+        self._version_fn = version
+        self._group_ids = itertools.count() if group_ids is None else group_ids
+        self.owns_source = owns_source
+        self.submitted = 0  # submissions made, readable after a run
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        self._live: dict[tuple[int, int, int], _Live] = {}
+        self._tasks: dict[int, Task] = {}  # group -> task, until its batch is released
+        self._batch_groups: dict[int, list[int]] = {}
+        self._next_batch = 0
+        self._handed = -1
+        self._served = 0
+        self._reported: list[tuple[Session, Stamps]] = []  # cancellations of our own
+
+    def close(self) -> None:
+        live, self._live = list(self._live.values()), {}
+        try:
+            for item in live:
+                self.source.cancel(item.future)
+        finally:
+            if self.owns_source:
+                self.source.close()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, ctx: StageContext) -> None:
+        paced = ctx.connected("handover")
+        while True:
+            self._expire()
+            self._emit(ctx)
+            if paced and ctx.ended("handover"):
+                self._last_orders(ctx)
+                return  # nobody trains on anything else; close() cancels what runs
+            ports = [p for p in ("orders", "handover") if ctx.connected(p) and not ctx.ended(p)]
+            may_take = not paced or self._next_batch <= self._handed + self.ahead
+            if may_take and not ctx.ended("tasks"):
+                ports.append("tasks")
+            if not ports:
+                if not self._live:
+                    return
+                self._await(ctx)
+                continue
+            try:
+                got = ctx.get_any(ports, timeout=self._until_deadline())
+            except EndOfStream:
+                continue
+            if got is None:
+                continue
+            port, item = got
+            if port == "tasks":
+                self._take(ctx, item)
+            elif port == "orders":
+                self._obey(ctx, item)
+            else:
+                self._hand(item)
+
+    def _last_orders(self, ctx: StageContext) -> None:
+        """Carry out what pack ordered until its final order, so that every submission
+        pack counts reaches the source (close() then cancels what still runs)."""
+        if not ctx.connected("orders"):
+            return
+        while True:
+            try:
+                orders = ctx.get("orders")
+            except EndOfStream:
+                return
+            if orders is None:
+                continue
+            self._obey(ctx, orders)
+            if orders.final:
+                return
+
+    def _await(self, ctx: StageContext) -> None:
+        """Every input has ended: wait for a live future (or a deadline) to finish."""
+        futures = [live.future for live in self._live.values()]
+        wait = _POLL_S if self.timeout is None else min(_POLL_S, self._until_deadline() or 0.0)
+        done, _ = cf.wait(futures, timeout=max(wait, 0.001), return_when=cf.FIRST_COMPLETED)
+        if not done and ctx.cancelled:
+            raise Cancelled()
+        ctx.heartbeat()
+
+    # ------------------------------------------------------------------ submissions
+
+    def _version(self) -> int:
+        if self._version_fn is None:
+            return self._served
+        value = self._version_fn()
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"version() returned {value!r}; expected an int >= 0")
+        return value
+
+    def _take(self, ctx: StageContext, rb: pa.RecordBatch) -> None:
+        tasks = [task_from_row(row) for row in tasks_from_arrow(rb)]
+        batch = self._next_batch
+        if not tasks:
+            raise ValueError(f"task batch {batch} has no rows; expected at least one task")
+        self._next_batch += 1
+        version = self._version()
+        groups = [next(self._group_ids) for _ in tasks]
+        if ctx.connected("plans"):
+            plan = Plan(batch, tuple(groups), tuple(t.id for t in tasks), self.samples, version)
+            ctx.put("plans", plan)  # before any result of the batch can reach pack
+        self._batch_groups[batch] = groups
+        for task, group in zip(tasks, groups, strict=True):
+            self._tasks[group] = task
+            for sample in range(self.samples):
+                self._submit(ctx, batch, group, sample, 0, version)
+
+    def _submit(
+        self, ctx: StageContext, batch: int, group: int, sample: int, attempt: int, version: int
+    ) -> None:
+        task = self._tasks[group]
+        future = self.source.submit(task, group=group, sample=sample, attempt=attempt)
+        if not isinstance(future, cf.Future):
+            raise TypeError(
+                f"source.submit returned a {type(future).__name__} for task {task.id}; "
+                "expected a concurrent.futures.Future of a Session"
+            )
+        live = _Live(future, task, batch, group, sample, attempt, version, time.monotonic())
+
+        def finished(_: cf.Future, live: _Live = live) -> None:
+            live.finished_at = time.monotonic()
+
+        future.add_done_callback(finished)
+        ctx.track(future)
+        self._live[live.ticket] = live
+        self.submitted += 1
+
+    def _obey(self, ctx: StageContext, orders: Orders) -> None:
+        # Resubmissions first: pack may order one and cancel it again in the same message.
+        for order in orders.resubmit:
+            if order.group not in self._tasks:
+                raise RuntimeError(
+                    f"orders: resubmit group {order.group} of batch {order.batch}, which was "
+                    "already released (pack and rollout disagree)"
+                )
+            version = self._version()
+            self._submit(ctx, order.batch, order.group, order.sample, order.attempt, version)
+        for ticket in orders.cancel:
+            live = self._live.pop(tuple(ticket), None)
+            if live is not None:
+                self.source.cancel(live.future)
+        for batch in orders.release:
+            groups = set(self._batch_groups.pop(batch, ()))
+            for group in groups:
+                self._tasks.pop(group, None)
+            for ticket in [t for t, live in self._live.items() if live.group in groups]:
+                self.source.cancel(self._live.pop(ticket).future)
+
+    def _hand(self, handover: Handover) -> None:
+        self._handed = max(self._handed, handover.batch)
+        self._served = handover.served
+        if self.max_lag is None:
+            return
+        for ticket, live in list(self._live.items()):
+            lag = handover.version - live.version
+            if lag > self.max_lag and not live.future.done():
+                del self._live[ticket]
+                self.source.cancel(live.future)
+                detail = (
+                    f"cancelled running: submitted under version {live.version}, the trainer "
+                    f"is at {handover.version} (max_lag {self.max_lag})"
+                )
+                self._reported.append(self._cancelled(live, "stale_running", detail))
+
+    def _expire(self) -> None:
+        if self.timeout is None or not self._live:
+            return
+        now = time.monotonic()
+        for ticket, live in list(self._live.items()):
+            if now - live.submitted_at >= self.timeout and not live.future.done():
+                del self._live[ticket]
+                self.source.cancel(live.future)
+                detail = (
+                    f"timed out: still running {now - live.submitted_at:.3f} s after submission"
+                )
+                self._reported.append(self._cancelled(live, "timeout", detail))
+
+    def _until_deadline(self) -> float | None:
+        if self.timeout is None or not self._live:
+            return None
+        first = min(live.submitted_at for live in self._live.values())
+        return max(0.0, first + self.timeout - time.monotonic())
+
+    # ------------------------------------------------------------------ results
+
+    def _cancelled(self, live: _Live, cause: str, detail: str) -> tuple[Session, Stamps]:
+        session = Session(
+            live.task.id, live.group, live.sample, live.attempt, (), Status.CANCELLED, None, {},
+            detail,
+        )  # fmt: skip
+        latency = time.monotonic() - live.submitted_at
+        return session, Stamps(live.batch, live.version, latency, cause, live.task)
+
+    def _result(self, live: _Live) -> tuple[Session, Stamps]:
+        future = live.future
+        if future.cancelled():
+            raise RuntimeError(
+                f"the source cancelled the future of {live.describe()} unasked; a source "
+                "resolves a stopped session to a CANCELLED Session"
+            )
+        error = future.exception()
+        if error is not None:
+            error.add_note(f"raised by the source for {live.describe()}")
+            raise error
+        session = future.result()
+        if not isinstance(session, Session):
+            raise TypeError(
+                f"the source resolved {live.describe()} to a {type(session).__name__}; "
+                "expected a Session"
+            )
+        session = dataclasses.replace(
+            session, task=live.task.id, group=live.group, sample=live.sample, attempt=live.attempt
+        )
+        end = live.finished_at if live.finished_at is not None else time.monotonic()
+        return session, Stamps(live.batch, live.version, end - live.submitted_at, "", live.task)
+
+    def _emit(self, ctx: StageContext) -> None:
+        out, self._reported = self._reported, []
+        for ticket, live in list(self._live.items()):
+            if live.future.done():
+                del self._live[ticket]
+                out.append(self._result(live))
+        if out:
+            ctx.put("sessions", stamp_sessions([s for s, _ in out], [st for _, st in out]))
