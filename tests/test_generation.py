@@ -171,29 +171,39 @@ def test_decode_step_leaves_a_finished_rows_cache_alone(setup, split_layers):
     np.testing.assert_allclose(second[0], want, atol=2e-5)
 
 
-def test_split_step_equals_the_cached_model_step(setup):
-    model, variables, _ = setup
+def test_split_step_equals_the_cached_model_step_and_resets_rows(setup):
+    model, variables, full_logits = setup
+
+    @jax.jit
+    def run(step, cache):  # the step is a pytree argument: weights sliced once, outside
+        state, logits = step.start(cache), []
+        for t, ids in enumerate([[1, 2, 3], [4, 5, 6], [7, 8, 9]]):
+            active = jnp.array([True, t < 2, t < 1])
+            pos = jnp.full(3, t)
+            out_t, state = step(state, jnp.array(ids), pos, pos, active)
+            logits.append(out_t)
+        # Row 0 takes a new sequence from slot 0; rows 1 and 2 keep theirs.
+        state = step.reset(state, jnp.array([True, False, False]))
+        fresh, state = step(state, jnp.array([10, 0, 0]), jnp.zeros(3, int), jnp.zeros(3, int),
+                            jnp.array([True, False, False]))  # fmt: skip
+        return jnp.stack(logits), fresh, step.finish(state)
+
     out = {}
     for split in (True, False):
-
-        @jax.jit
-        def run(variables, split=split):
-            cache = model.init_cache(3, 6)
-            step = decode_step(model, variables, split_layers=split)
-            state, logits = step.start(cache), []
-            for t, ids in enumerate([[1, 2, 3], [4, 5, 6], [7, 8, 9]]):
-                active = jnp.array([True, t < 2, t < 1])
-                pos = jnp.full(3, t)
-                out_t, state = step(state, jnp.array(ids), pos, pos, active)
-                logits.append(out_t)
-            return jnp.stack(logits), step.finish(state)
-
-        out[split] = jax.device_get(run(variables))
+        step = decode_step(model, variables, split_layers=split)
+        out[split] = jax.device_get(run(step, model.init_cache(3, 6)))
     np.testing.assert_allclose(out[True][0], out[False][0], atol=1e-5)
+    np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
     for name in ("key", "value"):
-        np.testing.assert_allclose(out[True][1][name], out[False][1][name], atol=1e-6)
-    np.testing.assert_array_equal(out[True][1]["positions"], out[False][1]["positions"])
-    np.testing.assert_array_equal(out[True][1]["positions"][2], [0, -1, -1, -1, -1, -1])
+        np.testing.assert_allclose(out[True][2][name], out[False][2][name], atol=1e-6)
+    for split in (True, False):
+        positions = out[split][2]["positions"]
+        np.testing.assert_array_equal(positions[:, :3], [[0, -1, -1], [0, 1, -1], [0, -1, -1]])
+        logits = out[split][0]  # [step, row, V]: each row's last active step
+        last = [logits[2, 0], logits[1, 1], logits[0, 2]]
+        want = [full_logits(variables, ids)[-1] for ids in ([1, 4, 7], [2, 5], [3])]
+        np.testing.assert_allclose(last, want, atol=2e-5)
+        np.testing.assert_allclose(out[split][1][0], full_logits(variables, [10])[-1], atol=2e-5)
 
 
 def test_decode_step_refuses_to_split_other_models(setup):

@@ -1,29 +1,30 @@
 """One decode step of the causal decoder for compiled loops: one new id per row.
 
 `decode_step(model, variables)` returns a `DecodeStep` that a ``lax.while_loop`` body
-calls once per generated position. It computes exactly what the decoder's own cached call
-computes (``model.apply(..., cache=..., cache_index=...)`` with one token per row), but is
-laid out for XLA's in-place updates, because on CPU a small model's decode step is bound
-by memory traffic, not arithmetic. Per step the layer-split path saves, against calling
-the cached model in the loop:
+calls once per generated position. It computes what the decoder's own cached call computes
+(``model.apply(..., cache=..., cache_index=...)`` with one token per row), but is laid out
+for XLA's in-place updates, because on CPU a small model's decode step is bound by memory
+traffic, not arithmetic. Against calling the cached model in the loop it saves, per step:
 
 - **Weight copies.** The decoder stacks every layer's weights on a leading axis and scans
   over it; inside a loop each per-layer slice becomes a copy of that layer's weights on
-  every step. Here the slices are taken once, before the loop, and the blocks run one by
-  one on them (the same `Block` module, so the arithmetic is the decoder's own).
+  every step. Here the slices are taken once, when the step is built, and the blocks run
+  one by one on them (the decoder's own `Block` module, so the arithmetic is the same).
 - **Cache copies.** Each layer's keys and values live in their own array, so no per-layer
-  slice of a stacked cache is copied. The keys/values of the id fed at step t are written
-  at the start of step t + 1, *before* the blocks read the cache: every read then depends
-  on the write, so XLA updates the cache in place. (Written after the reads, as the
-  cached call does, XLA cannot order the write after the reads it does not depend on and
-  copies the whole cache each step.) The current id attends to its own key/value directly,
-  as in the cached call.
+  slice of a stacked cache is copied. The keys/values of the id fed at one step are written
+  at the start of the next, *before* the blocks read the cache: every read then depends on
+  the write, so XLA updates the cache in place. (Written after the reads, as the cached
+  call does, XLA cannot order the write after reads it does not depend on, and copies the
+  whole cache every step.) The current id attends to its own key/value directly, as in the
+  cached call.
 
-Models other than `CausalTransformer` get a plain step that calls the cached model (same
-results, without those savings), so anything with the decoder's call forms can generate.
+Models other than `CausalTransformer` get a step that calls the cached model (same results,
+without those savings), so anything with the decoder's call forms can generate.
 
-A row is *inactive* when it has finished: its entries go to an out-of-range slot, which
-the scatter drops, so its cache stays exactly as it was.
+A row is *inactive* when it has finished: its entries go to an out-of-range slot, which the
+scatter drops, so its cache stays exactly as it was. Steps are pytrees: a server that runs
+one jitted step per call builds the step once (slicing the weights once) and passes it to
+its jitted function as an argument; `reset` gives a row a new sequence between steps.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["DecodeStep", "decode_step"]
 
 
 class DecodeStep(Protocol):
-    """A traced per-position step: ``start`` a state from a cache, then call it per id."""
+    """A per-position step: `start` a state from a cache, then call it once per id."""
 
     def start(self, cache: dict[str, jax.Array]) -> Any:
         """The loop state for a cache from ``model.init_cache`` (filled by a prefill)."""
@@ -59,15 +60,26 @@ class DecodeStep(Protocol):
         state)``.
         """
 
+    def reset(self, state: Any, rows: jax.Array) -> Any:
+        """Empties the rows where ``rows [B]`` is True, for new sequences from slot 0."""
+
     def finish(self, state: Any) -> dict[str, jax.Array]:
         """The cache a state stands for, every entry written (``init_cache``'s layout)."""
 
 
+@jax.tree_util.register_pytree_node_class
 class _CachedModelStep:
     """The decoder's own cached call, one id per row (any model with its call forms)."""
 
     def __init__(self, model: Any, variables: Any) -> None:
         self.model, self.variables = model, variables
+
+    def tree_flatten(self) -> tuple[tuple[Any], Any]:
+        return (self.variables,), self.model
+
+    @classmethod
+    def tree_unflatten(cls, model: Any, children: tuple[Any]) -> _CachedModelStep:
+        return cls(model, *children)
 
     def start(self, cache: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return cache
@@ -85,6 +97,9 @@ class _CachedModelStep:
         )
         return self.model.apply(self.variables, hidden[:, 0], method="logits"), cache
 
+    def reset(self, state: dict[str, jax.Array], rows: jax.Array) -> dict[str, jax.Array]:
+        return self.model.reset_cache(state, rows)
+
     def finish(self, state: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return state
 
@@ -93,28 +108,33 @@ class _LayerState(NamedTuple):
     keys: tuple[jax.Array, ...]  # per layer [B, T, K, d]
     values: tuple[jax.Array, ...]
     positions: jax.Array  # [B, T] int32, -1 empty
-    pending_keys: tuple[jax.Array, ...]  # per layer [B, K, d]: the last fed id's entries
+    pending_keys: tuple[jax.Array, ...]  # per layer [B, K, d]: the last fed ids' entries
     pending_values: tuple[jax.Array, ...]
-    pending_position: jax.Array  # [B] its position (stored in the cache)
-    pending_slot: jax.Array  # [B] its slot; out of range when nothing is pending
+    pending_position: jax.Array  # [B] the position stored with them
+    pending_slot: jax.Array  # [B] their slot; out of range when nothing is pending
 
 
+@jax.tree_util.register_pytree_node_class
 class _LayerSplitStep:
     """`CausalTransformer` run block by block on pre-sliced weights and per-layer caches."""
 
-    def __init__(self, model: CausalTransformer, variables: Any) -> None:
+    def __init__(self, model: CausalTransformer, variables: Any, layers: Any = None) -> None:
         cfg = model.config
         self.model, self.variables, self.config = model, variables, cfg
         params = variables["params"]
-        self.embed = params["embed"]
-        self.final_norm = params["final_norm"]
-        # Sliced here, outside the loop the step runs in, so XLA reads them in place.
-        self.layers = [
-            jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(cfg.num_layers)
-        ]
+        if layers is None:  # one slice per layer, taken once (not inside the loop)
+            stacked = params["layers"]
+            layers = [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(cfg.num_layers)]
+        self.layers = layers
         self.block = Block(cfg)
         self.norm = RMSNorm(cfg.emb_features, cfg.norm_eps, cfg.dtype, cfg.param_dtype)
-        self.inv_freq = jnp.asarray(cfg.inverse_frequencies())
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], Any]:
+        return (self.variables, self.layers), self.model
+
+    @classmethod
+    def tree_unflatten(cls, model: Any, children: tuple[Any, Any]) -> _LayerSplitStep:
+        return cls(model, *children)
 
     def start(self, cache: dict[str, jax.Array]) -> _LayerState:
         layers = range(self.config.num_layers)
@@ -143,26 +163,24 @@ class _LayerSplitStep:
         values = tuple(map(flush, state.values, state.pending_values))
         return keys, values, flush(state.positions, state.pending_position)
 
-    def finish(self, state: _LayerState) -> dict[str, jax.Array]:
-        keys, values, positions = self._flush(state)
-        return {"key": jnp.stack(keys), "value": jnp.stack(values), "positions": positions}
-
     def __call__(self, state, tokens, positions, slots, active):
         cfg = self.config
+        params = self.variables["params"]
         length = state.positions.shape[1]
         keys, values, cache_positions = self._flush(state)
         slots = jnp.where(active, slots, length)
         segment = active[:, None].astype(jnp.int32)
-        cos, sin = attention.rotary_angles(positions[:, None], self.inv_freq)
+        inv_freq = jnp.asarray(cfg.inverse_frequencies())
+        cos, sin = attention.rotary_angles(positions[:, None], inv_freq)
         old, new = attention.cache_mask(cache_positions, positions[:, None], segment, slots)
         context = dict(cos=cos, sin=sin, mask=new, cache_mask=old)
-        x = jnp.take(self.embed, tokens[:, None], axis=0).astype(cfg.dtype)
+        x = jnp.take(params["embed"], tokens[:, None], axis=0).astype(cfg.dtype)
         new_keys, new_values = [], []
-        for params, k, v in zip(self.layers, keys, values, strict=True):
-            x, (k_new, v_new) = self.block.apply({"params": params}, x, (k, v), context)
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
+            x, (k_new, v_new) = self.block.apply({"params": layer}, x, (k, v), context)
             new_keys.append(k_new[:, 0].astype(k.dtype))
             new_values.append(v_new[:, 0].astype(v.dtype))
-        hidden = self.norm.apply({"params": self.final_norm}, x)[:, 0]
+        hidden = self.norm.apply({"params": params["final_norm"]}, x)[:, 0]
         logits = self.model.apply(self.variables, hidden, method="logits")
         state = _LayerState(
             keys=keys,
@@ -175,13 +193,30 @@ class _LayerSplitStep:
         )
         return logits, state
 
+    def reset(self, state: _LayerState, rows: jax.Array) -> _LayerState:
+        rows = jnp.asarray(rows, bool)
+        keys, values, positions = self._flush(state)  # nothing pending may land later
+        return state._replace(
+            keys=keys,
+            values=values,
+            positions=jnp.where(rows[:, None], -1, positions),
+            pending_slot=jnp.full_like(state.pending_slot, positions.shape[1]),
+        )
+
+    def finish(self, state: _LayerState) -> dict[str, jax.Array]:
+        keys, values, positions = self._flush(state)
+        return {"key": jnp.stack(keys), "value": jnp.stack(values), "positions": positions}
+
 
 def decode_step(model: Any, variables: Any, *, split_layers: bool | None = None) -> DecodeStep:
-    """The per-id decode step for ``model`` (call inside ``jit``, outside the loop).
+    """The per-id decode step for ``model``.
+
+    Build it inside the jitted function that runs the loop (outside the loop body), or
+    once outside ``jit`` and pass it in as an argument (it is a pytree).
 
     Args:
         model: a `CausalTransformer`, or any module with its call forms (``features`` and
-            ``logits`` methods, ``init_cache`` and the cached call).
+            ``logits`` methods, ``init_cache``, ``reset_cache`` and the cached call).
         variables: its ``{"params": ...}``.
         split_layers: run a `CausalTransformer` block by block (the fast path); None
             chooses it whenever the model is one, False calls the cached model instead.
