@@ -453,11 +453,21 @@ class RolloutScheduler:
     def close(self) -> None:
         """Stop the pipeline, cancelling every session still running (idempotent).
 
-        The source stays open: it belongs to whoever created it.
+        The source stays open: it belongs to whoever created it. Called from another
+        thread while the Trainer waits in a call, it cancels the pipeline first; that call
+        then raises ``Cancelled``.
         """
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            parts = self._parts
+            if parts is not None:
+                parts.pack.shutdown_cause = "closed"
+                parts.run.cancel("rollout scheduler closed")
+            self._lock.acquire()
+        try:
             self._reset("closed")
             self._stream = None
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> RolloutScheduler:
         return self

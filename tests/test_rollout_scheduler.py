@@ -355,3 +355,20 @@ def test_task_readers():
         task_ids({"prompt": np.zeros((2, 3), np.int32)})
     with pytest.raises(ValueError, match="'prompt_length' is 0 in row 1"):
         prompt_tasks({"prompt": np.ones((2, 3), np.int32), "prompt_length": np.array([1, 0])})
+
+
+def test_close_from_another_thread_cancels_a_waiting_call():
+    from dew_pipe.flow import Cancelled
+
+    weights = FakeWeights()
+    source = FakeSource(weights, lambda s: Outcome(delay=30.0))
+    s = scheduler(source, weights)
+    threading.Timer(0.3, s.close).start()
+    start = time.monotonic()
+    with pytest.raises(Cancelled, match="closed"):
+        drive(s, task_data(2, 1), steps=1)
+    assert time.monotonic() - start < 10
+    s.close()  # idempotent
+    source.close()
+    assert not flow_threads()
+    assert s.totals["cancelled"] == s.totals["submitted"] == 4  # batches 0 and 1

@@ -1,0 +1,178 @@
+"""The RL stages one by one, and wired by hand in a user's pipeline without a trainer."""
+
+import threading
+
+import numpy as np
+import pytest
+from dew_pipe.stages import Pack, Rescore, Reward, Rollout, TaskBatches, publish
+from dew_pipe.stages.graph import task_batch
+from dew_pipe.stages.messages import (
+    SESSION_ROWS,
+    Proximal,
+    SchedulerRecord,
+    Stamps,
+    stamp_sessions,
+    task_from_row,
+    task_row,
+    unstamp_sessions,
+)
+from rollout_fakes import FakeSource, FakeWeights, Outcome
+
+from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow, packed_schema, packed_to_arrow
+from dew_pipe.data.dataset import Dataset
+from dew_pipe.flow import BuildError, Pipeline, Sink, Source, StageFailed
+from dew_pipe.objectives.rl.sessions import Call, Session, Task, pack
+
+W = 16
+
+
+def _session(reward=None, status="COMPLETED", task=3):
+    return Session(task, 0, 0, 0, [Call([1, 2], [5, 6], [-0.1, -0.2], "stop", 0)], status, reward)
+
+
+def test_stamps_and_tasks_round_trip_through_arrow():
+    tasks = [Task(1), Task(2, {"prompt": np.array([4, 5], np.int32), "ground_truth": "9"})]
+    rows = [task_row(t) for t in tasks]
+    back = [task_from_row(r) for r in rows]
+    assert back[0] == Task(1, None)
+    assert back[1].data["prompt"].tolist() == [4, 5] and back[1].data["ground_truth"] == "9"
+    sessions = [_session(1.0, task=1), _session(0.5, "TRUNCATED", task=2)]
+    stamps = [Stamps(0, 3, 0.25, "", tasks[0]), Stamps(1, 4, 0.5, "timeout", tasks[1])]
+    rb = stamp_sessions(sessions, stamps)
+    assert rb.schema.names[: len(SESSION_ROWS.names) - 8] == SESSION_ROWS.names[:8]
+    got, got_stamps = unstamp_sessions(rb)
+    assert got == sessions
+    assert [(s.batch, s.submitted_version, s.latency, s.cause) for s in got_stamps] == [
+        (0, 3, 0.25, ""),
+        (1, 4, 0.5, "timeout"),
+    ]
+    assert got_stamps[1].task.data["prompt"].tolist() == [4, 5]
+    with pytest.raises(TypeError, match="Task.data of task 5 is a list"):
+        task_row(Task(5, [1, 2]))
+    with pytest.raises(ValueError, match="has key 'answer'"):
+        task_row(Task(5, {"answer": "1"}))
+
+
+def test_reward_scores_unscored_sessions_and_turns_failures_into_infra_errors():
+    def score(task, session):
+        if task.data["ground_truth"] == "crash":
+            raise RuntimeError("sandbox gone")
+        if task.data["ground_truth"] == "nan":
+            return float("nan")
+        return 1.0, {"format": 0.5}
+
+    tasks = [Task(1, {"ground_truth": g}) for g in ("ok", "crash", "nan", "ok")]
+    sessions = [_session(None, task=1) for _ in range(3)] + [_session(0.25, task=1)]
+    rb = stamp_sessions(sessions, [Stamps(0, 0, 0.1, "", t) for t in tasks])
+    stage = Reward(score, workers=2)
+    out, _ = unstamp_sessions(stage.apply(rb))
+    assert (out[0].reward, out[0].components) == (1.0, {"format": 0.5})
+    assert out[1].status.name == "INFRA_ERROR" and "sandbox gone" in out[1].detail
+    assert out[2].status.name == "INFRA_ERROR" and "expected a finite float" in out[2].detail
+    assert out[3].reward == 0.25  # scored by the source: left alone
+    assert (stage.scored, stage.failed) == (3, 2)
+    assert Reward().apply(rb) is rb  # without a score function: passed through
+
+
+def test_rescore_replaces_old_log_probs_on_sampled_ids_only():
+    sessions = [_session(float(k), task=1) for k in range(2)]
+    columns = pack(sessions, W, rows=2)
+    rb = packed_to_arrow(columns)
+    got = []
+    p = Pipeline("rescore")
+    p.add(Source("rows", [rb], output_type=packed_schema(W)))
+    p.add(Source("params", [Proximal(0, 7, 3.0)], output_type=Proximal))
+    p.add(Rescore(lambda params, cols: -params * cols["input_ids"], width=W))
+    p.add(Sink("keep", got.append, input_type=packed_schema(W)))
+    p.connect("rows", "rescore.rows", capacity=1)
+    p.connect("params", "rescore.params", capacity=1)
+    p.connect("rescore", "keep", capacity=1)
+    p.run(timeout=10)
+    out = packed_from_arrow(got[0])
+    mask = columns["response_mask"] == 1
+    np.testing.assert_array_equal(out["old_log_probs"][mask], -3.0 * columns["input_ids"][mask])
+    assert np.all(out["old_log_probs"][~mask] == 0)
+    np.testing.assert_array_equal(out["behavior_log_probs"], columns["behavior_log_probs"])
+
+
+def test_publish_pushes_only_when_due_and_refuses_a_push_that_does_not_land():
+    weights = FakeWeights(version=3)
+    assert publish(weights, {}, 4, sync_every=2) == (3, False, 0.0)
+    served, pushed, _ = publish(weights, {}, 5, sync_every=2)
+    assert (served, pushed, weights.pushes) == (5, True, [5])
+    served, pushed, _ = publish(weights, {}, 2, sync_every=2)  # a restore to an older state
+    assert (served, pushed) == (2, True)
+    stuck = FakeWeights(stuck=True)
+    with pytest.raises(RuntimeError, match=r"load\(params, 1\) left the served version at 0"):
+        publish(stuck, {}, 1, sync_every=1)
+    assert stuck.pushes == [1, 1]
+
+
+def _standalone(source, tasks, *, groups=2, rows=4, score=None):
+    """A user's graph without trainer: tasks -> rollout -> reward -> pack -> sinks."""
+    got, records = [], []
+    p = Pipeline("user-graph")
+    p.add(Source("tasks", [task_batch(t) for t in tasks], output_type=TASKS_SCHEMA))
+    p.add(Rollout(source, groups=groups))
+    p.add(Reward(score))
+    p.add(Pack(width=W, rows=rows, groups=groups))
+    p.add(Sink("keep", got.append, input_type=packed_schema(W)))
+    p.add(Sink("records", records.append, input_type=SchedulerRecord))
+    p.connect("tasks", "rollout.tasks", capacity=2)
+    p.connect("rollout.sessions", "reward", capacity=4)
+    p.connect("rollout.plans", "pack.plans", capacity=4)
+    p.connect("reward", "pack.sessions", capacity=4)
+    p.connect("pack.rows", "keep", capacity=2)
+    p.connect("pack.records", "records", capacity=2)
+    p.connect("pack.orders", "rollout.orders", capacity=16, feedback=True)
+    return p, got, records
+
+
+def test_stages_wired_by_hand_run_to_the_end_with_retries_over_the_feedback_edge():
+    weights = FakeWeights()
+    # every sample fails once (the verifier is down on attempt 0), then succeeds
+    source = FakeSource(weights, lambda s: Outcome(delay=0.002, reward=None))
+    tasks = [[Task(i), Task(i + 10)] for i in range(3)]
+
+    def score(task, session):
+        if session.attempt == 0:
+            raise ConnectionError("verifier down")
+        return float(session.sample)
+
+    p, got, records = _standalone(source, tasks, score=score)
+    snapshot = p.run(timeout=30)  # ends once the retry cycle has drained
+    source.close()
+    assert len(got) == 3 and [r.batch for r in records] == [0, 1, 2]
+    for record in records:
+        assert record.resubmitted == {"infra_error": 4} and record.admitted_sessions == 4
+        assert record.accounted == record.submitted == 8 and record.version is None
+    assert len(source.submitted) == 24
+    assert snapshot.dropped == 0
+
+
+def test_a_stage_that_raises_in_a_user_graph_stops_it_naming_the_stage():
+    weights = FakeWeights()
+    source = FakeSource(weights, lambda s: Outcome(raises=OSError("disk full")))
+    p, _, _ = _standalone(source, [[Task(1)]])
+    with pytest.raises(StageFailed, match="stage 'rollout' failed.*disk full") as info:
+        p.run(timeout=30)
+    source.close()
+    assert isinstance(info.value.__cause__, OSError)
+    assert not [t for t in threading.enumerate() if t.name.startswith("flow:user-graph:")]
+
+
+def test_port_types_are_checked_when_the_graph_is_built():
+    p = Pipeline("mismatch")
+    p.add(Pack(width=W, rows=2, groups=2))
+    p.add(Sink("narrow", lambda rb: None, input_type=packed_schema(W + 1)))
+    with pytest.raises(BuildError, match="field 'input_ids' is fixed_size_list<item: int32>"):
+        p.connect("pack.rows", "narrow", capacity=1)
+
+
+def test_task_batches_reads_a_dataset_into_task_batches():
+    data = Dataset(train=lambda p: iter([{"task_id": np.array([1, 2])}]), batch=2)
+    stage = TaskBatches(data, batches=3)
+    assert [b.column("task_id").to_pylist() for b in stage.items()] == [[1, 2]] * 3
+    empty = Dataset(train=lambda p: iter([]), batch=2)
+    with pytest.raises(ValueError, match="yielded no batches"):
+        list(TaskBatches(empty, batches=1).items())
