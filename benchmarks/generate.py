@@ -121,6 +121,79 @@ def find_torch_python(given: str | None) -> str:
     return python
 
 
+def report(args: argparse.Namespace, runs: dict) -> None:
+    """Prints both sides' medians, the ratios and the agreement of the greedy ids."""
+
+    mine, theirs, ids, torch_ids = runs["mine"], runs["theirs"], runs["ids"], runs["torch_ids"]
+    tokens = args.batch * args.new
+    ours_s, torch_s = statistics.median(mine), statistics.median(theirs)
+    ratios = [t / m for m, t in zip(mine, theirs, strict=True)]
+    print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy, float32, "
+          f"{args.rounds} rounds; torch threads {runs['threads']}; jax {runs['devices']}")  # fmt: skip
+    print(f"dew_pipe generate: median {ours_s * 1e3:7.1f} ms  {tokens / ours_s:8.0f} tokens/s")
+    print(f"   (min {min(mine) * 1e3:.1f} ms; first call with compile {runs['compile_s']:.2f} s)")
+    print(f"transformers:      median {torch_s * 1e3:7.1f} ms  {tokens / torch_s:8.0f} tokens/s")
+    print(f"   (min {min(theirs) * 1e3:.1f} ms)")
+    print(f"speed-up: {torch_s / ours_s:.2f}x of medians, {min(theirs) / min(mine):.2f}x of minima")
+    print(
+        f"per-round ratios (each side's call of the same round): median "
+        f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
+    )
+    same = float((ids == torch_ids).mean())
+    print(
+        f"same greedy ids as transformers: {same:.1%} (first id {(ids[:, 0] == torch_ids[:, 0]).mean():.1%})"
+    )
+
+
+def measure(args: argparse.Namespace, python: str) -> dict:
+    """Builds the model, exports it for torch, and times alternating rounds of both sides."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dew_pipe import models
+    from dew_pipe.inference import generate
+    from dew_pipe.sampling import Sampling
+
+    B, P, R = args.batch, args.prompt, args.new
+    model = models.build("causal_transformer", **CONFIG)
+    variables = model.init(jax.random.key(args.seed), jnp.zeros((1, 8), jnp.int32))
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(0, CONFIG["vocab_size"], (B, P)).astype(np.int32)
+    lengths = np.full(B, P, np.int32)
+    greedy = Sampling(temperature=0)
+    with tempfile.TemporaryDirectory() as directory:
+        exported = models.Pretrained.from_model(model, variables, architecture="LlamaForCausalLM")
+        exported.save(variables, directory)
+        np.save(Path(directory, "prompts.npy"), prompts)
+        Path(directory, "bench.json").write_text(json.dumps({"new": R}))
+        pretrained = models.load_pretrained(directory, max_seq_len=CONFIG["max_seq_len"])
+
+        def ours() -> tuple[float, np.ndarray]:
+            start = time.perf_counter()
+            out = generate(
+                pretrained.model, pretrained.variables, prompts, lengths, R,
+                jax.random.key(0), greedy,
+            )  # fmt: skip
+            ids = np.asarray(out.ids)  # includes the device-to-host copy
+            return time.perf_counter() - start, ids
+
+        torch_side = TorchSide(python, directory, args.torch_threads)
+        try:
+            compile_s, _ = ours()
+            runs = dict(mine=[], theirs=[], compile_s=compile_s)
+            for _ in range(args.rounds):
+                seconds, runs["ids"] = ours()
+                runs["mine"].append(seconds)
+                reply = torch_side.run()
+                runs["theirs"].append(reply["seconds"])
+            runs["torch_ids"] = np.asarray(reply["ids"])
+        finally:
+            torch_side.close()
+    runs.update(threads=torch_side.info["threads"], devices=jax.devices())
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -140,70 +213,7 @@ def main() -> None:
     if args.torch_worker:
         torch_worker(args.torch_worker, args.torch_threads)
         return
-    python = find_torch_python(args.torch_python)
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from dew_pipe import models
-    from dew_pipe.inference import generate
-    from dew_pipe.sampling import Sampling
-
-    B, P, R = args.batch, args.prompt, args.new
-    model = models.build("causal_transformer", **CONFIG)
-    variables = model.init(jax.random.key(args.seed), jnp.zeros((1, 8), jnp.int32))
-    prompts = np.random.default_rng(args.seed).integers(0, CONFIG["vocab_size"], (B, P))
-    prompts = prompts.astype(np.int32)
-    lengths = np.full(B, P, np.int32)
-    greedy = Sampling(temperature=0)
-    with tempfile.TemporaryDirectory() as directory:
-        exported = models.Pretrained.from_model(model, variables, architecture="LlamaForCausalLM")
-        exported.save(variables, directory)
-        np.save(Path(directory, "prompts.npy"), prompts)
-        Path(directory, "bench.json").write_text(json.dumps({"new": R}))
-        pretrained = models.load_pretrained(directory, max_seq_len=CONFIG["max_seq_len"])
-        torch_side = TorchSide(python, directory, args.torch_threads)
-        try:
-
-            def ours() -> tuple[float, np.ndarray]:
-                start = time.perf_counter()
-                out = generate(
-                    pretrained.model, pretrained.variables, prompts, lengths, R,
-                    jax.random.key(0), greedy,
-                )  # fmt: skip
-                ids = np.asarray(out.ids)  # includes the device-to-host copy
-                return time.perf_counter() - start, ids
-
-            start = time.perf_counter()
-            ours()
-            compile_s = time.perf_counter() - start
-            mine, theirs = [], []
-            for _ in range(args.rounds):
-                seconds, ids = ours()
-                mine.append(seconds)
-                reply = torch_side.run()
-                theirs.append(reply["seconds"])
-            torch_ids = np.asarray(reply["ids"])
-        finally:
-            torch_side.close()
-    tokens = B * R
-    ours_s, torch_s = statistics.median(mine), statistics.median(theirs)
-    same = float((ids == torch_ids).mean())
-    first = float((ids[:, 0] == torch_ids[:, 0]).mean())
-    print(f"batch {B}, prompt {P}, {R} new tokens, greedy, float32, {args.rounds} rounds")
-    print(f"torch threads: {torch_side.info['threads']}; jax devices: {jax.devices()}")
-    print(f"dew_pipe generate: median {ours_s * 1e3:7.1f} ms  {tokens / ours_s:8.0f} tokens/s")
-    print(f"   (min {min(mine) * 1e3:.1f} ms; first call with compile {compile_s:.2f} s)")
-    print(f"transformers:      median {torch_s * 1e3:7.1f} ms  {tokens / torch_s:8.0f} tokens/s")
-    print(f"   (min {min(theirs) * 1e3:.1f} ms)")
-    ratios = [t / m for m, t in zip(mine, theirs, strict=True)]
-    print(f"speed-up: {torch_s / ours_s:.2f}x of medians, {min(theirs) / min(mine):.2f}x of minima")
-    print(
-        f"per-round ratios (each side's call of the same round): median "
-        f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
-    )
-    print(f"same greedy ids as transformers: {same:.1%} (first id {first:.1%})")
+    report(args, measure(args, find_torch_python(args.torch_python)))
 
 
 if __name__ == "__main__":

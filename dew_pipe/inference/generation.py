@@ -188,6 +188,38 @@ def _budgets(value: Any, rows: int) -> np.ndarray:
     return array.astype(np.int32)
 
 
+def _prefill(
+    model: Any, variables: Any, cache: dict[str, jax.Array], prompts: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Logits after each prompt ``[B, V]`` and the cache holding its ids at slots ``[0, n_b)``."""
+    width = prompts.shape[1]
+    start = width - lengths
+    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
+    real = columns >= start[:, None]
+    hidden, cache = model.apply(
+        variables,
+        prompts,
+        real.astype(jnp.int32),
+        jnp.where(real, columns - start[:, None], 0),
+        cache=cache,
+        cache_index=-start,  # padding lands at negative slots, which the decoder drops
+        method="features",
+    )
+    return model.apply(variables, hidden[:, -1], method="logits"), cache
+
+
+def _record(out: dict[str, jax.Array], drawn: Any, active: jax.Array, t: Any, pad_id: int):
+    """Writes step ``t``'s draws into the ``[B, R, ...]`` outputs (padding where inactive)."""
+    values = {
+        "ids": jnp.where(active, drawn.ids, pad_id),
+        "log_probs": jnp.where(active, drawn.log_probs, 0.0),
+        "behavior_log_probs": jnp.where(active, drawn.behavior_log_probs, 0.0),
+    }
+    if "support" in out:
+        values["support"] = drawn.support & active[:, None]
+    return {k: jax.lax.dynamic_update_index_in_dim(out[k], values[k], t, 1) for k in out}
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("model", "budget", "sampling", "support", "pad_id"),
@@ -206,34 +238,17 @@ def _compiled(
     support: bool,
     pad_id: int,
 ) -> Generated:
-    batch, width = prompts.shape
-    start = width - lengths
-    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
-    real = columns >= start[:, None]
-    hidden, cache = model.apply(
-        variables,
-        prompts,
-        real.astype(jnp.int32),
-        jnp.where(real, columns - start[:, None], 0),
-        cache=cache,
-        cache_index=-start,
-        method="features",
-    )
-    logits = model.apply(variables, hidden[:, -1], method="logits")
+    batch = prompts.shape[0]
+    logits, cache = _prefill(model, variables, cache, prompts, lengths)
     first = sample(logits, jax.random.fold_in(key, 0), sampling, support=support)
-    step_fn = decode_step(model, variables)
-
-    def column(values: jax.Array, fill: Any = 0) -> jax.Array:
-        shape = (batch, budget, *values.shape[1:])
-        return jnp.full(shape, fill, values.dtype).at[:, 0].set(values)
-
     out = {
-        "ids": column(first.ids, pad_id),
-        "log_probs": column(first.log_probs),
-        "behavior_log_probs": column(first.behavior_log_probs),
+        "ids": jnp.full((batch, budget), pad_id, jnp.int32),
+        "log_probs": jnp.zeros((batch, budget), jnp.float32),
+        "behavior_log_probs": jnp.zeros((batch, budget), jnp.float32),
     }
     if support:
-        out["support"] = column(first.support)
+        out["support"] = jnp.zeros((batch, budget, logits.shape[-1]), bool)
+    step_fn = decode_step(model, variables)
     count = jnp.ones((batch,), jnp.int32)
     stopped = sampling.is_eos(first.ids)
     state = dict(
@@ -243,7 +258,7 @@ def _compiled(
         stopped=stopped,
         done=stopped | (count >= limits),
         count=count,
-        out=out,
+        out=_record(out, first, jnp.ones((batch,), bool), 0, pad_id),
     )
 
     def running(state: dict[str, Any]) -> jax.Array:
@@ -255,17 +270,6 @@ def _compiled(
         position = lengths + t - 1
         logits, decode = step_fn(state["decode"], state["last"], position, position, active)
         drawn = sample(logits, jax.random.fold_in(key, t), sampling, support=support)
-        values = {
-            "ids": jnp.where(active, drawn.ids, pad_id),
-            "log_probs": jnp.where(active, drawn.log_probs, 0.0),
-            "behavior_log_probs": jnp.where(active, drawn.behavior_log_probs, 0.0),
-        }
-        if support:
-            values["support"] = drawn.support & active[:, None]
-        out = {
-            name: jax.lax.dynamic_update_index_in_dim(state["out"][name], values[name], t, 1)
-            for name in state["out"]
-        }
         count = state["count"] + active.astype(jnp.int32)
         stopped = state["stopped"] | (active & sampling.is_eos(drawn.ids))
         return dict(
@@ -275,7 +279,7 @@ def _compiled(
             stopped=stopped,
             done=stopped | (count >= limits),
             count=count,
-            out=out,
+            out=_record(state["out"], drawn, active, t, pad_id),
         )
 
     state = jax.lax.while_loop(running, step, state)
