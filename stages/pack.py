@@ -47,6 +47,13 @@ class Pack(Stage):
     Attributes:
       admission: the bookkeeping of the current (or last) run, created by ``open``.
       shutdown_cause: the cause recorded for tickets still open when the stage closes.
+
+    Example:
+      >>> stage = Pack(width=64, rows=8, groups=4, max_lag=1)
+      >>> sorted(stage.inputs), sorted(stage.outputs)
+      (['handover', 'plans', 'sessions'], ['orders', 'records', 'rows'])
+      >>> stage.outputs["rows"].type.field("input_ids").type
+      FixedSizeListType(fixed_size_list<item: int32>[64])
     """
 
     def __init__(

@@ -44,6 +44,10 @@ from dew_pipe.objectives.rl.sessions import Session, Status, Task
 __all__ = ["Rollout"]
 
 _POLL_S = 0.05  # how often a wait on futures alone looks at the cancellation flag
+# How long a stopping rollout waits for pack's final order. Pack sends it within
+# milliseconds of seeing the handovers end; the bound only matters for a hand-wired graph
+# whose pack is not paced by handovers and so never sends one.
+_LAST_ORDERS_S = 5.0
 
 
 @dataclasses.dataclass
@@ -197,6 +201,7 @@ class Rollout(Stage):
         self._handed = -1
         self._served = 0
         self._reported: list[tuple[Session, Stamps]] = []  # cancellations of our own
+        self._final = False  # pack said no order follows
 
     def close(self) -> None:
         live, self._live = list(self._live.values()), {}
@@ -218,7 +223,10 @@ class Rollout(Stage):
                 self._last_orders(ctx)
                 return  # nobody trains on anything else; close() cancels what runs
             ports = [p for p in ("orders", "handover") if ctx.connected(p) and not ctx.ended(p)]
-            may_take = not paced or self._next_batch <= self._handed + self.ahead
+            # Paced, batch j waits for the handover of batch j - ahead (batch 0 for the
+            # first ones), so it is submitted under the weights served after that push.
+            handed = self._handed
+            may_take = not paced or (handed >= 0 and self._next_batch <= handed + self.ahead)
             if may_take and not ctx.ended("tasks"):
                 ports.append("tasks")
             if not ports:
@@ -243,17 +251,18 @@ class Rollout(Stage):
     def _last_orders(self, ctx: StageContext) -> None:
         """Carry out what pack ordered until its final order, so that every submission
         pack counts reaches the source (close() then cancels what still runs)."""
-        if not ctx.connected("orders"):
+        if not ctx.connected("orders") or self._final:
             return
-        while True:
+        deadline = time.monotonic() + _LAST_ORDERS_S
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                orders = ctx.get("orders")
+                orders = ctx.get("orders", timeout=left)
             except EndOfStream:
                 return
             if orders is None:
                 continue
             self._obey(ctx, orders)
-            if orders.final:
+            if self._final:
                 return
 
     def _await(self, ctx: StageContext) -> None:
@@ -313,6 +322,7 @@ class Rollout(Stage):
         self.submitted += 1
 
     def _obey(self, ctx: StageContext, orders: Orders) -> None:
+        self._final = self._final or orders.final
         # Resubmissions first: pack may order one and cancel it again in the same message.
         for order in orders.resubmit:
             if order.group not in self._tasks:

@@ -165,6 +165,7 @@ class RolloutScheduler:
         self.reward, self.reward_workers, self.audit = reward, int(reward_workers), audit
         self.read_ahead = self.ahead  # the Trainer reads this many batches past batch i
         self.last_record: SchedulerRecord | None = None
+        self.forced_stops = 0  # stops that had to cancel the pipeline (see _stop)
         self._lock = threading.RLock()
         self._group_ids = itertools.count()  # unique over every run of this scheduler
         self._fifo: list[_Registered] = []
@@ -437,6 +438,7 @@ class RolloutScheduler:
         try:
             parts.run.wait(timeout=_STOP_S)
         except TimeoutError:  # update was waiting for a batch nobody will collect
+            self.forced_stops += 1
             parts.run.cancel(f"rollout scheduler {cause}")
             with contextlib.suppress(FlowError):
                 parts.run.wait()

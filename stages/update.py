@@ -116,6 +116,11 @@ class Update(Stage):
 
     Attributes:
       state: in the pipeline view, the newest ``TrainState``.
+
+    Example (the library view's ports; ``RolloutScheduler`` feeds ``trainer``):
+      >>> stage = Update(width=64, sync_every=2)
+      >>> sorted(stage.inputs), sorted(stage.outputs)
+      (['records', 'rows', 'trainer'], ['batches', 'handover', 'params'])
     """
 
     def __init__(

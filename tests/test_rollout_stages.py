@@ -176,3 +176,20 @@ def test_task_batches_reads_a_dataset_into_task_batches():
     empty = Dataset(train=lambda p: iter([]), batch=2)
     with pytest.raises(ValueError, match="yielded no batches"):
         list(TaskBatches(empty, batches=1).items())
+
+
+def test_docstring_examples_of_the_stages_run():
+    import doctest
+    import importlib
+
+    attempted = 0
+    for name in ("admission", "graph", "messages", "pack", "rescore", "reward", "rollout"):
+        module = importlib.import_module(f"dew_pipe.stages.{name}")
+        failed, tried = doctest.testmod(module)
+        assert failed == 0, name
+        attempted += tried
+    for name in ("dew_pipe.stages.update", "dew_pipe.objectives.rl.task_rows"):
+        failed, tried = doctest.testmod(importlib.import_module(name))
+        assert failed == 0, name
+        attempted += tried
+    assert attempted >= 25
