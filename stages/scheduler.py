@@ -15,6 +15,12 @@ Trainer's own prefetch, so a checkpoint's data position stays the Trainer's: a r
 run reads the in-flight batches again and submits them again. Opening the stream anew
 (another ``fit``, a resume) stops the pipeline, cancelling the sessions the old stream
 left running; a new epoch of the same stream does not.
+
+Accounting: every submission ends in exactly one outcome (see ``totals`` and, with
+``audit=True``, ``ledger``), including those still running when the pipeline stops: a stop
+(``close``, a reopened stream) is graceful, so pack learns of every submission rollout made
+before deciding the rest as cancelled. After a stage failure the run is cancelled at once
+and the accounting covers what pack had learned by then.
 """
 
 from __future__ import annotations

@@ -373,3 +373,25 @@ def test_close_from_another_thread_cancels_a_waiting_call():
     source.close()
     assert not flow_threads()
     assert s.totals["cancelled"] == s.totals["submitted"] == 4  # batches 0 and 1
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_nothing_is_submitted_beyond_ahead_batches_past_the_one_handed_over(ahead):
+    weights = FakeWeights()
+    source = FakeSource(weights)
+    with scheduler(source, weights, ahead=ahead, max_lag=max(ahead, 1)) as s:
+        stream = BatchStream(s.tasks(task_data(12, 1)), Partition(0, 1), None)
+        stream.fill(1 + s.read_ahead)  # the Trainer's prefetch registers batches...
+        time.sleep(0.1)
+        assert source.submitted == []  # ...but nothing runs before the first handover
+        for step in range(3):
+            stream.fill(1 + s.read_ahead)
+            s(FakeState(step, {"scale": np.float32(1)}), stream.next(), None)
+            allowed = set(range(step + 1 + ahead))
+            deadline = time.monotonic() + 5  # rollout takes its credit on its own thread
+            while {x.task for x in source.submitted} != allowed and time.monotonic() < deadline:
+                assert {x.task for x in source.submitted} <= allowed
+                time.sleep(0.005)
+            time.sleep(0.05)
+            assert {x.task for x in source.submitted} == allowed
+    source.close()
