@@ -31,7 +31,8 @@ class Outcome:
 
     ``calls`` calls of ``sampled`` ids each; ``stale`` makes every call report a version
     that many updates older than the one served at submission; ``reward`` None leaves the
-    session unscored; ``raises`` makes the future raise it instead.
+    session unscored; ``raises`` makes the future raise it instead; ``support`` records a
+    top-2 sampling support per sampled id.
     """
 
     delay: float = 0.0
@@ -41,6 +42,7 @@ class Outcome:
     calls: int = 1
     stale: int = 0
     raises: BaseException | None = None
+    support: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +109,9 @@ class FakeSource:
         for _ in range(outcome.calls):
             sampled = rng.integers(1, VOCAB, outcome.sampled)
             version = max(0, record.version - outcome.stale)
-            calls.append(
-                Call(context, sampled, -rng.uniform(0.1, 2.0, sampled.size), "stop", version)
-            )
+            kept = [[t, t % (VOCAB - 1) + 1] for t in sampled] if outcome.support else None
+            behavior = -rng.uniform(0.1, 2.0, sampled.size)
+            calls.append(Call(context, sampled, behavior, "stop", version, support=kept))
             context = [*context, *sampled.tolist(), 1]
         reward = outcome.reward
         return Session(

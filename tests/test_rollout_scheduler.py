@@ -167,6 +167,19 @@ def test_rescoring_uses_the_weights_of_the_handover():
         assert not np.allclose(batch["old_log_probs"][mask], batch["behavior_log_probs"][mask])
 
 
+def test_sampling_supports_reach_the_packed_batch():
+    weights = FakeWeights()
+    source = FakeSource(weights, lambda s: Outcome(sampled=3, support=True))
+    with scheduler(source, weights, support_capacity=24) as s:
+        [batch], _, _ = drive(s, task_data(2, 2), steps=1)
+    source.close()
+    assert batch["support_ids"].shape == (8, 24)
+    used = batch["support_columns"] >= 0
+    assert used.sum() == 2 * 2 * 3 * 2  # 4 sessions, 3 sampled ids, 2 kept ids each
+    rows = np.nonzero(used)[0]
+    assert np.all(batch["response_mask"][rows, batch["support_columns"][used]] == 1)
+
+
 def test_timeout_cancels_and_resubmits_a_straggler():
     weights = FakeWeights()
     slow_once = lambda s: Outcome(delay=5.0 if (s.sample, s.attempt) == (1, 0) else 0.0)  # noqa: E731
