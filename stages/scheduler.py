@@ -348,6 +348,30 @@ class RolloutScheduler:
             self.log(record)
         return dict(packed_from_arrow(handed.rows))
 
+    def metrics(self) -> dict[str, float]:
+        """The last batch's figures, for the Trainer's log (it prefixes ``rollout/``).
+
+        Returns:
+          ``lag``, ``waited_s``, ``push_s``, group and session counts, ``resubmitted/<cause>``
+          and the batch's ``session_metrics`` (rewards, latencies, version lag...); empty
+          before the first batch.
+
+        Example:
+          >>> RolloutScheduler.metrics.__doc__ is not None
+          True
+        """
+        record = self.last_record
+        if record is None:
+            return {}
+        names = (
+            "lag", "waited_s", "push_s", "admitted_groups", "admitted_sessions", "submitted",
+            "discarded", "cancelled", "abandoned", "abandoned_groups", "cut_groups",
+        )  # fmt: skip
+        out = {n: float(getattr(record, n)) for n in names if getattr(record, n) is not None}
+        out.update({f"resubmitted/{k}": float(v) for k, v in record.resubmitted.items()})
+        out.update({k: float(v) for k, v in record.metrics.items()})
+        return out
+
     def _put(self, inlet: Inlet, item: Any) -> None:
         try:
             inlet.put(item)

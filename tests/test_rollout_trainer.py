@@ -29,20 +29,23 @@ class Checked:
         self.seen.append((int(state.updates), out, expected))
         return out
 
+    def metrics(self):
+        return self.scheduler.metrics()
+
 
 @pytest.mark.slow
 def test_trainer_runs_through_the_scheduler_and_resumes(tmp_path):
     objective = GRPOObjective(tiny_decoder(), seq_len=WIDTH - 1, behavior_importance=2.0)
     weights = FakeWeights()
     source = FakeSource(weights, lambda s: Outcome(calls=1 + s.sample % 2, reward=float(s.sample)))
-    records = []
+    records, logged = [], []
     scheduler = RolloutScheduler(
         objective, source, weights, width=WIDTH, rows=4, groups=2, log=records.append, audit=True
     )
     rollout = Checked(scheduler, objective)
     trainer = Trainer(
         objective, optax.adam(1e-2), key=jax.random.key(0), rollout=rollout,
-        run_dir=tmp_path, progress=False,
+        run_dir=tmp_path, progress=False, log=logged.append,
     )  # fmt: skip
     data = scheduler.tasks(task_data(8, 2))  # four batches an epoch
     try:
@@ -69,6 +72,10 @@ def test_trainer_runs_through_the_scheduler_and_resumes(tmp_path):
     assert [r.version for r in records] == [0, 1, 2, 3, 4, 5]
     assert all(r.lag is not None and r.lag <= 1 for r in records)
     assert all(r.admitted_groups == 2 and r.accounted == r.submitted for r in records)
+    # the scheduler's figures reach the Trainer's log through rollout.metrics()
+    lags = [line["rollout/lag"] for line in logged if "rollout/lag" in line]
+    assert lags and all(0 <= lag <= 1 for lag in lags)
+    assert all(line["rollout/admitted_groups"] == 2 for line in logged if "rollout/lag" in line)
     # The resumed fit replayed batches 0-2 without submitting them, cancelled what the old
     # stream had in flight (batch 3) and submitted batch 3 again in the new one.
     first_run = {s.group for s in in_flight}
