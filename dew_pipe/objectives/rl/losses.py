@@ -42,6 +42,7 @@ __all__ = [
     "band_keep",
     "chain_ids",
     "cispo_loss",
+    "groups_present",
     "gspo_loss",
     "icepop_weights",
     "kl_penalty",
@@ -137,6 +138,19 @@ def _per_token_group_sum(values: jax.Array, groups: jax.Array | None) -> jax.Arr
     """Sum of ``values`` over each token's group, broadcast back to the token."""
     sums, ids = _group_sums(values, groups)
     return sums[ids].reshape(values.shape)
+
+
+def groups_present(mask: jax.Array, groups: jax.Array | None = None) -> jax.Array:
+    """How many groups hold at least one masked-in token (float32 scalar).
+
+    The divisor of the "seq-mean-*" reductions of :func:`aggregate`, before its floor of 1.
+
+    Example:
+        >>> float(groups_present(jnp.array([[1, 0, 1, 0]]), jnp.array([[3, 3, 5, 7]])))
+        2.0
+    """
+    counts, _ = _group_sums(mask.astype(jnp.float32), groups)
+    return jnp.sum(counts > 0, dtype=jnp.float32)
 
 
 def aggregate(

@@ -253,8 +253,10 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: ``pg_loss``, ``kl_loss`` (beta > 0), ``pg_clipfrac``,
         ``pg_clipfrac_lower``, ``ppo_kl``, ``tokens`` (trainable tokens after the
-        masks), ``mismatch/kl``, ``mismatch/k3_kl``, ``mismatch/ess``, and
-        ``mask/band``, ``mask/sequence``, ``mask/geometric`` for the masks in use.
+        masks), ``loss_weight`` (what the policy term averages over: ``tokens`` under
+        "token-mean", sessions with a trainable token under "session-mean"),
+        ``mismatch/kl``, ``mismatch/k3_kl``, ``mismatch/ess``, and ``mask/band``,
+        ``mask/sequence``, ``mask/geometric`` for the masks in use.
 
     Raises:
         ValueError: a TIS cap in bypass mode, or ``beta > 0`` without ``ref_log_prob``.
@@ -294,6 +296,13 @@ def policy_loss(
     metrics["pg_clipfrac_lower"] = L.masked_mean(terms.clipped_lower, effective)
     metrics["ppo_kl"] = jax.lax.stop_gradient(L.masked_mean(-terms.log_ratio, effective))
     metrics["tokens"] = jnp.sum(effective)
+    # What the policy term averages over; gradient accumulation weights microbatches by it
+    # so that k microbatches add up to the gradient of their concatenation (exact when the
+    # sessions are not split across microbatches and the KL term counts the same ones).
+    if options.aggregation == "token-mean":
+        metrics["loss_weight"] = metrics["tokens"]
+    else:
+        metrics["loss_weight"] = L.groups_present(effective, groups)
     total = pg
     if options.beta > 0:
         if ref_log_prob is None:
