@@ -380,9 +380,7 @@ def _rollout_metrics(rollout: Any) -> dict[str, float]:
     out = {}
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(
-                f"rollout.metrics()[{name!r}] is {value!r}; expected a real number"
-            )
+            raise TypeError(f"rollout.metrics()[{name!r}] is {value!r}; expected a real number")
         out[f"rollout/{name}"] = float(value)
     return out
 

@@ -20,6 +20,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "generate": ("dew_pipe.inference.generation", "generate"),
     "Generation": ("dew_pipe.inference.text", "Generation"),
     "TextGeneration": ("dew_pipe.inference.text", "TextGeneration"),
+    "SampledRollout": ("dew_pipe.inference.sampled_rollout", "SampledRollout"),
 }
 
 __all__ = sorted(_LAZY)

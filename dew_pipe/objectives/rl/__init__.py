@@ -23,10 +23,14 @@ _LAZY: dict[str, str] = {
     "rows_needed": "dew_pipe.objectives.rl.packing",
     "session_metrics": "dew_pipe.objectives.rl.session_stats",
     "compute_advantages": "dew_pipe.objectives.rl.advantages",
+    # single-turn sessions drawn from a RolloutServer (lives above, in dew_pipe.inference)
+    "PromptSource": "dew_pipe.inference.prompt_source",
     # GRPO objective and its policy loss
     "GRPOObjective": "dew_pipe.objectives.rl.grpo",
     "PolicyOptions": "dew_pipe.objectives.rl.policy",
     "policy_loss": "dew_pipe.objectives.rl.policy",
+    # the trainer's GRPO rollout hook; it samples, so it lives above, in dew_pipe.inference
+    "SampledRollout": "dew_pipe.inference.sampled_rollout",
     # task readers and the asynchronous scheduler (which lives above, in dew_pipe.stages:
     # it is composed of stages, so it is only imported when asked for)
     "task_ids": "dew_pipe.objectives.rl.task_rows",

@@ -1,0 +1,365 @@
+"""`SampledRollout`: the trainer's GRPO rollout hook, from a prompt batch to packed rows.
+
+One call turns a ``Prompts`` batch (``prompt [B, P]`` left padded, ``prompt_length [B]``,
+reward metadata as ``[B, M]`` UTF-8 byte columns) into the packed ``[N, P + R]`` batch a
+``GRPOObjective(seq_len=P + R - 1)`` trains on, with ``N = B * G``:
+
+1. Each prompt row is repeated ``G`` times (row ``b * G + g`` is sample ``g`` of prompt
+   ``b``) and `dew_pipe.inference.generate` samples up to ``R`` ids for all of them in one
+   compiled call, under the state's current parameters. ``prompt_length`` becomes the
+   attention mask: each row attends to its last ``prompt_length`` ids only.
+2. Each completion becomes a one-call `Session` (task and group: the prompt row; sample:
+   ``g``). A completion that drew EOS is COMPLETED (finish reason ``"stop"``, the EOS kept
+   among its sampled ids); one that used the whole budget is TRUNCATED (``"length"``). Both
+   are scored and both train (``pack(truncation="score")``), so no completion is dropped.
+3. The reward reads strings: the prompt row's ``data_source``, ``ground_truth`` and
+   ``extra_info`` decoded from UTF-8, and the completion as ``decode(ids)`` where ``ids``
+   are the sampled ids without EOS and padding.
+4. ``pack(sessions, width=P + R, rows=N, estimator=...)`` builds the batch: raw model
+   log-probabilities land in ``old_log_probs``, the sampler's (after temperature and
+   filters) in ``behavior_log_probs``, and ``versions`` holds ``state.updates``. N rows always
+   hold the N chains (each chain is at most ``P + R`` ids), so the shape never changes.
+
+After each call :meth:`SampledRollout.metrics` reports the reward mean, the share of
+completions with a positive reward, the mean response length and the truncated share;
+the Trainer logs them under ``rollout/``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew_pipe.data.text_columns import decode_text_column
+from dew_pipe.inference.generation import generate
+from dew_pipe.objectives.rl.advantages import ESTIMATORS
+from dew_pipe.objectives.rl.packing import TRUNCATIONS, pack
+from dew_pipe.objectives.rl.sessions import Call, Session, Status
+from dew_pipe.sampling import Sampling
+
+__all__ = ["Reward", "SampledRollout", "token_text"]
+
+Reward = Callable[[str, str, str, str], float]
+"""``reward(data_source, completion, ground_truth, extra_info) -> float``."""
+
+_METADATA = ("data_source", "ground_truth", "extra_info")
+
+
+def token_text(ids: Sequence[int]) -> str:
+    """The default ``decode``: token ids written in decimal, separated by single spaces.
+
+    Example:
+        >>> token_text([12, 7, 3])
+        '12 7 3'
+    """
+    return " ".join(str(int(i)) for i in ids)
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} is {value!r}; expected an int >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{name} is {value}; expected an int >= {minimum}")
+    return int(value)
+
+
+def _integers(batch: Mapping[str, Any], name: str, ndim: int) -> np.ndarray:
+    if name not in batch:
+        raise ValueError(
+            f"batch has no field {name!r}; SampledRollout reads Prompts rows "
+            f"(prompt [B, P], prompt_length [B]), fields are {sorted(batch)}"
+        )
+    array = np.asarray(batch[name])
+    if array.dtype.kind not in "iu" or array.ndim != ndim:
+        shape = "[B, P]" if ndim == 2 else "[B]"
+        raise ValueError(
+            f"batch field {name!r} is {array.dtype} with shape {array.shape}; expected "
+            f"integers of shape {shape}"
+        )
+    return array
+
+
+class SampledRollout:
+    """Samples ``groups`` completions per prompt, scores them and packs a GRPO batch.
+
+    Pass it to ``Trainer(..., rollout=rollout)``: the trainer calls it on the host with
+    each prompt batch before the compiled update, and trains on the packed rows it returns
+    (see the module docstring for the steps).
+
+    Args:
+        objective: the objective being trained; its ``model`` samples and its ``seq_len``
+            must be ``P + R - 1`` for prompt batches ``P`` ids wide.
+        reward: ``reward(data_source, completion, ground_truth, extra_info) -> float``;
+            must return a finite real number. It is called once per completion, on the
+            host, prompt by prompt and sample by sample within a prompt.
+        groups: G, completions per prompt (at least 2: advantages compare them).
+        max_new_tokens: R, the sampling budget per completion (at least 1).
+        sampling: EOS ids, temperature and filters (`dew_pipe.sampling.Sampling`).
+        decode: turns a completion's ids (a list of ints, EOS and padding removed) into the
+            text the reward reads; None writes the ids in decimal separated by spaces
+            (:func:`token_text`). Pass ``tokenizer.decode`` for a reward on words.
+        estimator: the advantage estimator ``pack`` applies within each prompt's group:
+            ``"group"`` (GRPO), ``"mean"`` (Dr.GRPO) or ``"rloo"``.
+        truncation: how completions that ran out of budget train: ``"score"`` (default, on
+            their reward like the others), ``"zero"`` (on reward 0) or ``"mask"`` (not at
+            all). The reward is called for every completion whatever this says.
+        pad_id: the id written after a completion ends (it never reaches the reward or
+            the packed rows).
+
+    Attributes:
+        last_sessions: the ``B * G`` one-call sessions of the last call, in packing order
+            (``session_index``), with their statuses and rewards.
+
+    Raises:
+        TypeError: an objective without ``model``/``seq_len``, a reward or decode that is
+            not callable, a ``sampling`` that is not a `Sampling`.
+        ValueError: ``groups < 2``, ``max_new_tokens < 1``, an unknown estimator or
+            truncation, EOS ids outside the model's vocabulary.
+
+    Example:
+        >>> import optax
+        >>> from dew_pipe import Trainer, models
+        >>> from dew_pipe.data import encode_text_column
+        >>> from dew_pipe.objectives.rl import GRPOObjective
+        >>> model = models.build("causal_transformer", vocab_size=8, emb_features=16,
+        ...                      num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8)
+        >>> objective = GRPOObjective(model, seq_len=5)
+        >>> def reward(data_source, completion, ground_truth, extra_info):
+        ...     return float(ground_truth in completion.split())
+        >>> rollout = SampledRollout(objective, reward, groups=2, max_new_tokens=3,
+        ...                          sampling=Sampling(eos_id=2, temperature=1.0))
+        >>> prompts = {"prompt": np.array([[0, 3, 4], [5, 6, 7]], np.int32),
+        ...            "prompt_length": np.array([2, 3], np.int32),
+        ...            "ground_truth": encode_text_column(["1", "5"])}
+        >>> state = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0)).initial_state()
+        >>> batch = rollout(state, prompts, jax.random.key(1))
+        >>> batch["input_ids"].shape   # B * G rows of P + R ids
+        (4, 6)
+        >>> sorted(rollout.metrics())
+        ['response/length', 'response/truncated', 'reward/mean', 'reward/positive']
+    """
+
+    def __init__(
+        self,
+        objective: Any,
+        reward: Reward,
+        groups: int,
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),  # noqa: B008  # frozen, so one shared default is safe
+        decode: Callable[[list[int]], str] | None = None,
+        estimator: str = "group",
+        *,
+        truncation: str = "score",
+        pad_id: int = 0,
+    ) -> None:
+        model = getattr(objective, "model", None)
+        seq_len = getattr(objective, "seq_len", None)
+        if model is None or not isinstance(seq_len, int):
+            raise TypeError(
+                f"objective is a {type(objective).__name__}; expected an objective with a "
+                "'model' to sample from and an int 'seq_len' (e.g. GRPOObjective)"
+            )
+        if not callable(reward):
+            raise TypeError(
+                f"reward is {reward!r}; expected reward(data_source, completion, "
+                "ground_truth, extra_info) -> float"
+            )
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode is {decode!r}; expected None or decode(ids) -> str")
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
+        config = getattr(model, "config", None)
+        if getattr(config, "vocab_size", None) is not None:
+            sampling.check_vocab(config.vocab_size)
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator is {estimator!r}; expected one of {sorted(ESTIMATORS)}")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation is {truncation!r}; expected one of {list(TRUNCATIONS)}")
+        self.objective = objective
+        self.model = model
+        self.reward = reward
+        self.groups = _count("groups", groups, 2)
+        self.max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
+        self.sampling = sampling
+        self.decode = token_text if decode is None else decode
+        self.estimator = estimator
+        self.truncation = truncation
+        self.pad_id = _count("pad_id", pad_id, 0)
+        self.last_sessions: list[Session] = []
+        self._metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the hook
+
+    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+        """Sample, score and pack one prompt batch under ``state.params``.
+
+        Args:
+            state: the trainer's `TrainState`; ``params`` samples, ``updates`` stamps
+                ``versions``.
+            batch: a Prompts batch (``prompt``, ``prompt_length`` and optionally the
+                ``data_source``/``ground_truth``/``extra_info`` byte columns, which read as
+                empty strings when absent).
+            key: the PRNG key of this draw.
+
+        Returns:
+            The packed columns, each ``[B * G, P + R]`` (see
+            :mod:`dew_pipe.objectives.rl.packing`).
+
+        Raises:
+            ValueError: a missing or misshapen field, ``P + R - 1`` different from the
+                objective's ``seq_len``, a reward that is not finite (naming the prompt
+                index and sample).
+            TypeError: a reward that returns a non-number or a decode that returns a
+                non-string (naming the prompt index and sample).
+            RuntimeError: the reward or decode raised (naming the prompt index and sample;
+                the original exception is the cause).
+        """
+        prompt, lengths, metadata = self._prompts(batch)
+        groups, budget = self.groups, self.max_new_tokens
+        out = jax.device_get(
+            generate(
+                self.model,
+                state.params,
+                np.repeat(prompt, groups, axis=0),
+                np.repeat(lengths, groups),
+                budget,
+                key,
+                self.sampling,
+                pad_id=self.pad_id,
+            )
+        )
+        version = int(state.updates)
+        width = prompt.shape[1]
+        sessions = []
+        for row in range(prompt.shape[0]):
+            context = prompt[row, width - int(lengths[row]) :]
+            for sample in range(groups):
+                n = row * groups + sample
+                count, stopped = int(out.lengths[n]), bool(out.stopped[n])
+                ids = out.ids[n, :count]
+                text = self._decode(ids[:-1] if stopped else ids, row, sample)
+                score = self._score(metadata, row, sample, text)
+                call = Call(
+                    context,
+                    ids,
+                    out.behavior_log_probs[n, :count],
+                    "stop" if stopped else "length",
+                    version,
+                    log_probs=out.log_probs[n, :count],
+                )
+                status = Status.COMPLETED if stopped else Status.TRUNCATED
+                sessions.append(Session(row, row, sample, 0, [call], status, score))
+        packed = pack(
+            sessions,
+            width=width + budget,
+            rows=len(sessions),
+            estimator=self.estimator,
+            truncation=self.truncation,
+        )
+        self.last_sessions = sessions
+        self._metrics = _summary(sessions)
+        return packed
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the last call's completions, for logging.
+
+        ``reward/mean``, ``reward/positive`` (share of completions whose reward is above
+        0), ``response/length`` (mean sampled ids, EOS included) and
+        ``response/truncated`` (share that ran out of budget). Empty before the first call.
+        """
+        return dict(self._metrics)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _prompts(
+        self, batch: Mapping[str, Any]
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, list[str]]]:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch is a {type(batch).__name__}; expected a mapping of arrays")
+        prompt = _integers(batch, "prompt", 2)
+        lengths = _integers(batch, "prompt_length", 1)
+        rows, width = prompt.shape
+        if rows < 1 or width < 1:
+            raise ValueError(f"batch field 'prompt' has shape {prompt.shape}; expected [B, P] >= 1")
+        if lengths.shape != (rows,):
+            raise ValueError(
+                f"batch field 'prompt_length' has shape {lengths.shape}; expected [{rows}]"
+            )
+        if lengths.min() < 1 or lengths.max() > width:
+            bad = int(np.flatnonzero((lengths < 1) | (lengths > width))[0])
+            raise ValueError(
+                f"batch field 'prompt_length' is {int(lengths[bad])} in row {bad}; expected a "
+                f"length in [1, {width}]"
+            )
+        seq_len = self.objective.seq_len
+        if width + self.max_new_tokens - 1 != seq_len:
+            raise ValueError(
+                f"batch field 'prompt' is {width} ids wide and max_new_tokens is "
+                f"{self.max_new_tokens}, so packed rows hold {width + self.max_new_tokens} ids, "
+                f"but the objective's seq_len is {seq_len}; expected seq_len = P + R - 1 = "
+                f"{width + self.max_new_tokens - 1}"
+            )
+        metadata = {}
+        for name in _METADATA:
+            if name not in batch:
+                metadata[name] = [""] * rows
+                continue
+            column = np.asarray(batch[name])
+            if column.ndim != 2 or column.shape[0] != rows:
+                raise ValueError(
+                    f"batch field {name!r} has shape {column.shape}; expected [{rows}, M] "
+                    "UTF-8 bytes"
+                )
+            metadata[name] = decode_text_column(column, field=name)
+        return prompt.astype(np.int32, copy=False), lengths.astype(np.int32), metadata
+
+    def _decode(self, ids: np.ndarray, row: int, sample: int) -> str:
+        try:
+            text = self.decode([int(i) for i in ids])
+        except Exception as error:
+            raise RuntimeError(
+                f"decode raised on prompt {row}, sample {sample} (ids {ids.tolist()}): {error!r}"
+            ) from error
+        if not isinstance(text, str):
+            raise TypeError(
+                f"decode returned {type(text).__name__} {text!r} on prompt {row}, sample "
+                f"{sample}; expected a str"
+            )
+        return text
+
+    def _score(self, metadata: dict[str, list[str]], row: int, sample: int, text: str) -> float:
+        source, truth, extra = (metadata[name][row] for name in _METADATA)
+        try:
+            value = self.reward(source, text, truth, extra)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward raised on prompt {row}, sample {sample} (completion {text!r}): {error!r}"
+            ) from error
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+            raise TypeError(
+                f"reward returned {type(value).__name__} {value!r} on prompt {row}, sample "
+                f"{sample}; expected a finite float"
+            )
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(
+                f"reward returned {value} on prompt {row}, sample {sample} (completion "
+                f"{text!r}); expected a finite float"
+            )
+        return value
+
+
+def _summary(sessions: Sequence[Session]) -> dict[str, float]:
+    rewards = np.array([s.reward for s in sessions], np.float64)
+    lengths = np.array([s.calls[0].sampled_ids.size for s in sessions], np.float64)
+    truncated = np.array([s.status is Status.TRUNCATED for s in sessions], np.float64)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/positive": float((rewards > 0).mean()),
+        "response/length": float(lengths.mean()),
+        "response/truncated": float(truncated.mean()),
+    }
