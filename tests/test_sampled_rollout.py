@@ -332,6 +332,7 @@ def test_decode_failures_name_the_prompt_and_sample(known):
 # ----------------------------------------------------------------- through the Trainer
 
 
+@pytest.mark.slow  # about 15 s on a shared 2-core machine: init, generate and update compiles
 def test_trainer_trains_through_the_rollout_and_logs_its_metrics():
     model = models.build(
         "causal_transformer",
