@@ -14,6 +14,14 @@ from typing import Any
 
 # name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str]] = {
+    # rollout servers (the RolloutServer interface, the native continuous-batching server)
+    "Draw": ("dew_pipe.inference.rollout", "Draw"),
+    "RolloutServer": ("dew_pipe.inference.rollout", "RolloutServer"),
+    "NativeRolloutServer": ("dew_pipe.inference.native", "NativeRolloutServer"),
+    "Server": ("dew_pipe.inference.server", "Server"),
+    "ServerCounters": ("dew_pipe.inference.server_records", "ServerCounters"),
+    "ServeTask": ("dew_pipe.inference.server_setup", "ServeTask"),
+    "PromptSource": ("dew_pipe.inference.prompt_source", "PromptSource"),
     "DecodeStep": ("dew_pipe.inference.decoding", "DecodeStep"),
     "decode_step": ("dew_pipe.inference.decoding", "decode_step"),
     "Generated": ("dew_pipe.inference.generation", "Generated"),

@@ -23,6 +23,8 @@ _LAZY: dict[str, str] = {
     "rows_needed": "dew_pipe.objectives.rl.packing",
     "session_metrics": "dew_pipe.objectives.rl.session_stats",
     "compute_advantages": "dew_pipe.objectives.rl.advantages",
+    # single-turn sessions drawn from a RolloutServer (lives above, in dew_pipe.inference)
+    "PromptSource": "dew_pipe.inference.prompt_source",
     # GRPO objective and its policy loss
     "GRPOObjective": "dew_pipe.objectives.rl.grpo",
     "PolicyOptions": "dew_pipe.objectives.rl.policy",

@@ -1,0 +1,95 @@
+"""`NativeRolloutServer`: the `RolloutServer` interface over the in-process `Server`.
+
+Draws come from the continuous-batching `dew_pipe.inference.Server` and carry raw and
+behavior likelihoods; `load` copies a trainer's variables into the served buffers in place
+between two decode steps (`Server.reload`), cast to the served precision. It is also a
+weights publisher for the rollout scheduler: ``load(params, version)`` and ``version``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from dew_pipe.inference.rollout import Draw
+from dew_pipe.inference.server import Server, ServerCounters
+
+__all__ = ["NativeRolloutServer"]
+
+
+class NativeRolloutServer:
+    """A `RolloutServer` backed by a `Server` it owns (closing one closes the other).
+
+    Args:
+        server: the continuous-batching server, e.g. ``Server.from_task(task, slots=8,
+            capacity=256)``.
+
+    Raises:
+        TypeError: ``server`` is not a `Server`.
+
+    Example:
+        >>> server = NativeRolloutServer(Server.from_task(task, slots=8, capacity=256))  # doctest: +SKIP
+        >>> draw = server.submit([1, 5, 9], 16, seed=3).result()   # doctest: +SKIP
+        >>> draw.log_probs is not None, draw.version   # doctest: +SKIP
+        (True, 0)
+        >>> server.load(state.params, int(state.updates))   # doctest: +SKIP
+        >>> server.close()   # doctest: +SKIP
+    """
+
+    def __init__(self, server: Server) -> None:
+        if not isinstance(server, Server):
+            raise TypeError(
+                f"server is {type(server).__name__}; expected a dew_pipe.inference.Server"
+            )
+        self.server = server
+
+    @property
+    def version(self) -> int:
+        """The weights version new draws are served under."""
+        return self.server.version
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        *,
+        seed: int | None = None,
+    ) -> Future[Draw]:
+        """Queues one draw; see `Server.submit` (cancel the future to stop it)."""
+        return self.server.submit(prompt_ids, max_new_tokens, seed=seed)
+
+    def load(self, variables: Any, version: int) -> None:
+        """Serves ``variables`` as ``version`` from the next decode step on.
+
+        Returns once the copy is made (the caller may then donate its arrays); draws in
+        flight continue, keeping the oldest version that produced their ids.
+
+        Args:
+            variables: ``{"params": ...}`` (or a ``TrainState``), any floating precision.
+            version: the version to serve it as (an int >= 0).
+
+        Raises:
+            TypeError / ValueError: a tree that does not match the served one, a bad
+                version.
+            RuntimeError: the server is closed or failed.
+        """
+        if isinstance(version, bool) or not isinstance(version, int | np.integer) or version < 0:
+            raise ValueError(f"version is {version!r}; expected an int >= 0")
+        self.server.reload(variables, int(version))
+
+    def counters(self) -> ServerCounters:
+        """The server's counters (`Server.counters`)."""
+        return self.server.counters()
+
+    def close(self) -> None:
+        """Closes the server: its thread stops and unfinished draws fail."""
+        self.server.close()
+
+    def __enter__(self) -> NativeRolloutServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

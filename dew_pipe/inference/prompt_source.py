@@ -1,0 +1,289 @@
+"""`PromptSource`: single-turn sessions drawn from a `RolloutServer` and scored as they finish.
+
+Each submitted sample is one draw: the task's prompt ids go to the server with a budget of
+``max_new_tokens``, and when the draw finishes its decoded text is scored on a thread pool
+by ``reward(data_source, completion, ground_truth, extra_info)``, so verification overlaps
+generation and training. The session has one `Call` (stamped with the draw's version, the
+oldest weights that produced any of its ids) and a status:
+
+- COMPLETED: an EOS id ended the draw; scored.
+- TRUNCATED: the budget ended it; scored all the same (``pack(truncation="score")`` trains
+  on it, the default ``"mask"`` drops it).
+- INFRA_ERROR: the draw failed, or decoding or the reward raised or returned something that
+  is not a finite number; ``detail`` says what. Schedulers retry these.
+- CANCELLED: `PromptSource.cancel` stopped it (the draw leaves the server's queue or row).
+
+A task's payload is what `dew_pipe.objectives.rl.prompt_tasks` builds from prompt rows:
+``{"prompt": ids, "data_source": str, "ground_truth": str, "extra_info": str}`` (missing
+metadata reads as ""); a plain id sequence is a prompt without metadata.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import hashlib
+import math
+import numbers
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dew_pipe.inference.rollout import Draw
+from dew_pipe.objectives.rl.sessions import Session, Status, Task
+
+__all__ = ["PromptSource", "Reward", "join_ids"]
+
+#: ``reward(data_source, completion, ground_truth, extra_info) -> float``.
+Reward = Callable[[str, str, str, str], float]
+
+_METADATA = ("data_source", "ground_truth", "extra_info")
+
+
+def join_ids(ids: Sequence[int] | np.ndarray) -> str:
+    """The default ``decode``: ids as decimal numbers separated by spaces.
+
+    Example:
+        >>> join_ids([5, 12, 3])
+        '5 12 3'
+    """
+    return " ".join(str(int(i)) for i in ids)
+
+
+def _int(name: str, value: Any, minimum: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} is {value!r}; expected an int")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} is {value}; expected an int >= {minimum}")
+    return int(value)
+
+
+def _payload(task: Any) -> tuple[np.ndarray, dict[str, str]]:
+    """The prompt ids and reward metadata a task carries."""
+    if not isinstance(task, Task):
+        raise TypeError(f"task is {type(task).__name__}; expected a sessions.Task")
+    data = task.data
+    if isinstance(data, Mapping):
+        if "prompt" not in data:
+            raise ValueError(
+                f"task {task.id}: data has keys {sorted(map(str, data))}; expected 'prompt' "
+                "ids (and data_source, ground_truth, extra_info strings), as prompt_tasks builds"
+            )
+        metadata = {name: data.get(name, "") for name in _METADATA}
+        for name, value in metadata.items():
+            if not isinstance(value, str):
+                raise TypeError(f"task {task.id}: data[{name!r}] is {value!r}; expected a str")
+        data = data["prompt"]
+    else:
+        metadata = dict.fromkeys(_METADATA, "")
+    prompt = np.asarray(data)
+    if prompt.dtype == np.bool_ or not np.issubdtype(prompt.dtype, np.integer):
+        raise TypeError(f"task {task.id}: prompt has dtype {prompt.dtype}; expected token ids")
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(f"task {task.id}: prompt has shape {prompt.shape}; expected 1-D ids")
+    return prompt.astype(np.int32), metadata
+
+
+def _seed(base: int, task: int, group: int, sample: int, attempt: int) -> int:
+    """A 32-bit seed fixed by the submission's identity (the same in every process)."""
+    text = repr((base, task, group, sample, attempt)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
+
+
+class _Pending:
+    __slots__ = ("attempt", "draw", "future", "group", "sample", "task")
+
+    def __init__(self, task: Task, group: int, sample: int, attempt: int) -> None:
+        self.task, self.group, self.sample, self.attempt = task, group, sample, attempt
+        self.future: cf.Future[Session] = cf.Future()
+        self.draw: cf.Future[Draw] | None = None
+
+    def session(self, status: Status, calls=(), reward=None, detail: str = "") -> Session:
+        return Session(
+            self.task.id,
+            self.group,
+            self.sample,
+            self.attempt,
+            calls,
+            status,
+            reward,
+            detail=detail,
+        )
+
+
+class PromptSource:
+    """A `SessionSource` of one-call sessions drawn from a `RolloutServer`.
+
+    Args:
+        server: the `RolloutServer` to draw from (not closed by `close`: it may be
+            shared, and it is often the scheduler's weights publisher too).
+        reward: ``reward(data_source, completion, ground_truth, extra_info) -> float``,
+            called on a worker thread with the decoded completion.
+        decode: ids to the completion text the reward reads; it receives the sampled ids
+            without the EOS that ended the draw. Default `join_ids` (space-separated
+            numbers); pass a tokenizer's ``decode`` for text.
+        max_new_tokens: ``R``, the budget of every draw.
+        workers: threads scoring finished draws.
+        seed: mixed into every draw's seed, which is otherwise fixed by the submission's
+            task, group, sample and attempt (a resubmitted attempt draws afresh).
+
+    Raises:
+        TypeError / ValueError: a server without ``submit``, a reward or decode that is not
+            callable, a bad budget or worker count.
+
+    Example:
+        >>> source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=16)  # doctest: +SKIP
+        >>> task = Task(0, {"prompt": [5, 9], "data_source": "arith", "ground_truth": "14",
+        ...                 "extra_info": ""})   # doctest: +SKIP
+        >>> session = source.submit(task, group=0, sample=0, attempt=0).result()  # doctest: +SKIP
+        >>> session.status, session.reward, session.calls[0].version   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        server: Any,
+        reward: Reward,
+        *,
+        decode: Callable[[np.ndarray], str] | None = None,
+        max_new_tokens: int,
+        workers: int = 4,
+        seed: int = 0,
+    ) -> None:
+        if not callable(getattr(server, "submit", None)):
+            raise TypeError(f"server is {type(server).__name__}; expected a RolloutServer")
+        if not callable(reward):
+            raise TypeError(f"reward is {reward!r}; expected a callable")
+        decode = join_ids if decode is None else decode
+        if not callable(decode):
+            raise TypeError(f"decode is {decode!r}; expected a callable (ids -> str)")
+        self.server, self.reward, self.decode = server, reward, decode
+        self.max_new_tokens = _int("max_new_tokens", max_new_tokens, 1)
+        self.workers = _int("workers", workers, 1)
+        self.seed = _int("seed", seed, None)
+        self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="prompt-reward")
+        self._lock = threading.Lock()
+        self._pending: dict[cf.Future, _Pending] = {}
+        self._closed = False
+
+    def submit(self, task: Task, *, group: int, sample: int, attempt: int) -> cf.Future[Session]:
+        """Draws one completion of ``task``'s prompt; returns the future session at once.
+
+        Raises:
+            TypeError / ValueError: a task without prompt ids, bad identity fields.
+            RuntimeError: the source is closed, or the server refuses the request (closed or
+                failed: a broken source, not a failed sample).
+        """
+        prompt, _ = _payload(task)
+        group = _int("group", group, None)
+        sample, attempt = _int("sample", sample, 0), _int("attempt", attempt, 0)
+        entry = _Pending(task, group, sample, attempt)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the PromptSource is closed")
+            self._pending[entry.future] = entry
+        seed = _seed(self.seed, task.id, group, sample, attempt)
+        try:
+            entry.draw = self.server.submit(prompt, self.max_new_tokens, seed=seed)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(entry.future, None)
+            raise
+        entry.draw.add_done_callback(lambda draw: self._drawn(entry, draw))
+        return entry.future
+
+    def cancel(self, future: cf.Future[Session]) -> None:
+        """Stops the session behind ``future``; it resolves CANCELLED at once.
+
+        A draw still queued leaves the server's queue, one decoding is stopped at the
+        server's next step; a reward already running finishes unheard. Unknown or finished
+        futures are left alone.
+        """
+        with self._lock:
+            entry = self._pending.pop(future, None)
+        if entry is None:
+            return
+        if entry.draw is not None:
+            entry.draw.cancel()
+        self._set(entry, entry.session(Status.CANCELLED, detail="cancelled by the caller"))
+
+    def close(self) -> None:
+        """Cancels unfinished sessions and waits for running rewards; the server stays up."""
+        with self._lock:
+            self._closed = True
+            futures = list(self._pending)
+        for future in futures:
+            self.cancel(future)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> PromptSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _drawn(self, entry: _Pending, draw: cf.Future[Draw]) -> None:
+        """Runs on the server's thread: hands the finished draw to the scoring pool."""
+        if entry.future.done():
+            return
+        try:
+            self._pool.submit(self._score, entry, draw)
+        except RuntimeError:  # the pool is shut down: close() is cancelling everything
+            self._score(entry, draw)
+
+    def _score(self, entry: _Pending, draw: cf.Future[Draw]) -> None:
+        try:
+            if draw.cancelled():
+                session = entry.session(Status.CANCELLED, detail="the draw was cancelled")
+            elif draw.exception() is not None:
+                error = draw.exception()
+                detail = f"draw failed: {type(error).__name__}: {error}"
+                session = entry.session(Status.INFRA_ERROR, detail=detail)
+            else:
+                session = self._scored(entry, draw.result())
+        except BaseException as error:  # a bug here breaks the source: say so to the caller
+            with self._lock:
+                self._pending.pop(entry.future, None)
+            with contextlib.suppress(cf.InvalidStateError):
+                entry.future.set_exception(error)
+            return
+        with self._lock:
+            self._pending.pop(entry.future, None)
+        self._set(entry, session)
+
+    def _scored(self, entry: _Pending, draw: Draw) -> Session:
+        try:
+            call = draw.call()
+        except (TypeError, ValueError) as error:  # e.g. non-finite likelihoods from the engine
+            detail = f"draw failed: {type(error).__name__}: {error}"
+            return entry.session(Status.INFRA_ERROR, detail=detail)
+        status = Status.COMPLETED if draw.stopped else Status.TRUNCATED
+        ids = draw.sampled_ids[:-1] if draw.stopped else draw.sampled_ids
+        _, metadata = _payload(entry.task)
+        try:
+            completion = self.decode(ids)
+            if not isinstance(completion, str):
+                raise TypeError(f"decode returned {type(completion).__name__}; expected a str")
+            value = self.reward(
+                metadata["data_source"],
+                completion,
+                metadata["ground_truth"],
+                metadata["extra_info"],
+            )
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"reward returned {value!r}; expected a finite float")
+            if not math.isfinite(float(value)):
+                raise ValueError(f"reward returned {value!r}; expected a finite float")
+        except Exception as error:  # noqa: BLE001 - a failed verifier is an infra failure
+            detail = f"reward failed: {type(error).__name__}: {error}"
+            return entry.session(Status.INFRA_ERROR, (call,), detail=detail)
+        return entry.session(status, (call,), float(value))
+
+    @staticmethod
+    def _set(entry: _Pending, session: Session) -> None:
+        # Resolved already (cancelled), or cancelled by whoever holds the future.
+        with contextlib.suppress(cf.InvalidStateError):
+            entry.future.set_result(session)

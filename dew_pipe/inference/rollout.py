@@ -1,0 +1,188 @@
+"""The rollout-server interface: token ids in, a future `Draw` out, weights pushed by version.
+
+A `RolloutServer` is what a session source samples from. Every backend (the native
+continuous-batching `NativeRolloutServer`, engines behind HTTP) answers the same three
+requests:
+
+- ``submit(prompt_ids, max_new_tokens, seed=...)`` returns at once with a future `Draw`;
+- ``load(variables, version)`` pushes new weights and makes ``version`` the served one;
+- ``close()`` releases the server's threads and devices.
+
+A draw in flight when weights are pushed keeps going on the new weights, so its tokens may
+come from several versions. `Draw.version` is the oldest of them, the one its lag must be
+counted from; `Draw.submitted_version` is the version served when it was submitted.
+
+To stop a draw, cancel its future (``future.cancel()``): a server drops it from its queue,
+or stops it at its next step, and the future stays cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from dew_pipe.objectives.rl.sessions import Call
+
+__all__ = ["FINISH_REASONS", "Draw", "RolloutServer"]
+
+#: ``"stop"``: an EOS id ended the draw (it is the last sampled id); ``"length"``: the
+#: ``max_new_tokens`` budget did.
+FINISH_REASONS = ("stop", "length")
+
+
+def _array(name: str, value: Any, dtype: Any, length: int | None) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != 1 or (length is not None and array.size != length):
+        expected = "a 1-D array" if length is None else f"shape ({length},)"
+        raise ValueError(f"Draw.{name} has shape {array.shape}; expected {expected}")
+    out = array.astype(dtype, copy=False).view()
+    out.flags.writeable = False
+    return out
+
+
+def _version(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"Draw.{name} is {value!r}; expected a version, an int >= 0")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draw:
+    """One completion a `RolloutServer` drew for one prompt.
+
+    Args:
+        prompt_ids: ``[P]`` int32, the ids the model read.
+        sampled_ids: ``[S]`` int32, the ids drawn, ``1 <= S <= max_new_tokens``; an EOS
+            that ended the draw is the last one.
+        behavior_log_probs: ``[S]`` float32 log-probability of each id under the
+            distribution it was drawn from (temperature and filters applied; 0 under
+            greedy decoding).
+        finish_reason: one of `FINISH_REASONS`.
+        version: the oldest weights version that produced any of the ids (the draw's
+            version for staleness).
+        submitted_version: the version served when the request was submitted.
+        log_probs: ``[S]`` float32 raw model log-probabilities (``log_softmax`` of the
+            logits), when the backend reports them; None otherwise.
+        support: one int32 array per sampled id holding the ids the sampler kept, when the
+            backend records them; None otherwise.
+        seed: the seed the draw was sampled with, when known.
+
+    Raises:
+        ValueError: misaligned arrays, an unknown finish reason or a bad version.
+
+    Example:
+        >>> draw = Draw([4, 5], [7, 2], [-0.1, -0.2], "stop", version=3, submitted_version=3)
+        >>> draw.stopped, draw.call().version
+        (True, 3)
+    """
+
+    prompt_ids: np.ndarray
+    sampled_ids: np.ndarray
+    behavior_log_probs: np.ndarray
+    finish_reason: str
+    version: int
+    submitted_version: int
+    log_probs: np.ndarray | None = None
+    support: tuple[np.ndarray, ...] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "prompt_ids", _array("prompt_ids", self.prompt_ids, np.int32, None))
+        sampled = _array("sampled_ids", self.sampled_ids, np.int32, None)
+        put(self, "sampled_ids", sampled)
+        n = sampled.size
+        put(
+            self,
+            "behavior_log_probs",
+            _array("behavior_log_probs", self.behavior_log_probs, np.float32, n),
+        )
+        if self.log_probs is not None:
+            put(self, "log_probs", _array("log_probs", self.log_probs, np.float32, n))
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Draw.finish_reason is {self.finish_reason!r}; expected one of {FINISH_REASONS}"
+            )
+        put(self, "version", _version("version", self.version))
+        put(self, "submitted_version", _version("submitted_version", self.submitted_version))
+        if self.support is not None:
+            if isinstance(self.support, np.ndarray) or not isinstance(self.support, Sequence):
+                raise ValueError("Draw.support: expected a sequence of id arrays, one per id")
+            if len(self.support) != n:
+                raise ValueError(
+                    f"Draw.support has {len(self.support)} entries; expected one per sampled "
+                    f"id ({n})"
+                )
+            put(
+                self,
+                "support",
+                tuple(
+                    _array(f"support[{i}]", s, np.int32, None) for i, s in enumerate(self.support)
+                ),
+            )
+
+    @property
+    def stopped(self) -> bool:
+        """True when an EOS id ended the draw."""
+        return self.finish_reason == "stop"
+
+    def call(self) -> Call:
+        """This draw as a session `Call` stamped with `version` (the oldest weights).
+
+        Example:
+            >>> Draw([1], [3], [-0.5], "length", 0, 0).call().finish_reason
+            'length'
+        """
+        from dew_pipe.objectives.rl.sessions import Call
+
+        return Call(
+            self.prompt_ids,
+            self.sampled_ids,
+            self.behavior_log_probs,
+            self.finish_reason,
+            self.version,
+            log_probs=self.log_probs,
+            support=self.support,
+        )
+
+
+@runtime_checkable
+class RolloutServer(Protocol):
+    """Samples completions of token-id prompts under versioned weights.
+
+    Implementations: `dew_pipe.inference.NativeRolloutServer` (in-process continuous
+    batching). Attribute ``version`` is the version served now (an int >= 0).
+
+    Example:
+        >>> server = NativeRolloutServer(Server.from_task(task, slots=8, capacity=256))  # doctest: +SKIP
+        >>> draw = server.submit([1, 5, 9], 16, seed=3).result()   # doctest: +SKIP
+        >>> server.load(state.params, int(state.updates))   # doctest: +SKIP
+    """
+
+    @property
+    def version(self) -> int:
+        """The weights version new submissions are served under."""
+        ...
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        *,
+        seed: int | None = None,
+    ) -> Future[Draw]:
+        """Starts one draw of at most ``max_new_tokens`` ids; returns its future at once."""
+        ...
+
+    def load(self, variables: Any, version: int) -> None:
+        """Serves ``variables`` as ``version`` from now on (draws in flight continue)."""
+        ...
+
+    def close(self) -> None:
+        """Stops serving; draws not finished fail."""
+        ...

@@ -1,0 +1,557 @@
+"""`Server`: continuous batching of draws over one decoder, on a background thread.
+
+The server owns ``slots`` rows of key/value cache, ``capacity`` positions each. Requests wait
+in a bounded queue; between two decode calls the server thread
+
+1. applies a pending weight reload (`Server.reload`), so the next ids come from the new
+   weights while draws in flight keep their rows and caches;
+2. releases the rows of cancelled draws;
+3. starts waiting requests in free rows (`dew_pipe.inference.serving.prefill`: one
+   compiled shape per bucket of joining requests and prompt width, running rows
+   untouched);
+4. advances every busy row by up to ``steps_per_call`` ids in one compiled call of a fixed
+   shape (`dew_pipe.inference.serving.advance`), stopping early once a row finishes while
+   requests wait, so a finished row is handed on at once.
+
+A finished row resolves its future with a `dew_pipe.inference.rollout.Draw`. Each draw is
+sampled from its own seed (``fold_in(key(seed), t)`` for its ``t``-th id), so given the
+seed it is the same whichever requests share the batch. What the thread does is counted
+(`Server.counters`).
+
+Failure and shutdown: `close` stops the thread, fails every unfinished future and joins
+the thread; an exception inside the thread fails every future and is raised (as the cause)
+by the next `submit` or `reload`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew_pipe.inference import serving
+from dew_pipe.inference.rollout import Draw
+from dew_pipe.inference.server_records import Reload, Request, ServerCounters
+from dew_pipe.inference.server_setup import (
+    ServeTask,
+    bucket,
+    check_options,
+    check_tree,
+    from_task_arguments,
+    positive_int,
+    prompt_array,
+    prompt_buckets,
+    prompt_problem,
+    served_copy,
+    served_model,
+    signature,
+    variables_of,
+    version_number,
+)
+from dew_pipe.sampling import Sampling
+
+__all__ = ["Server", "ServerCounters", "ServeTask"]
+
+_SEED_LIMIT = 2**32
+
+
+class Server:
+    """Continuous-batching sampler over a decoder, run by a background thread.
+
+    Args:
+        model: a decoder with the `CausalTransformer` call forms (``features``/``logits``
+            methods, ``init_cache``, ``config.vocab_size``/``max_seq_len``).
+        variables: its ``{"params": ...}`` (copied; the caller's arrays are never reused).
+        sampling: the controls every draw uses (default `Sampling()`: temperature 1, no
+            EOS). Static: part of the compiled step.
+        slots: ``S``, rows decoded together.
+        capacity: ``C``, cache positions per row: a request needs
+            ``len(prompt) + max_new_tokens - 1 <= C``. At most the model's ``max_seq_len``.
+        dtype: served precision. Floating parameters are kept (and reloaded) in it, and a
+            decoder whose ``config`` has ``dtype``/``param_dtype`` computes in it. None:
+            the model's compute dtype (``config.dtype``), so a float32 model is served in
+            float32 and a bfloat16-compute model with bfloat16 weights.
+        queue: most requests waiting for a row; `submit` blocks while it is full.
+        steps_per_call: most decode steps one compiled call runs. 1 gives every step back
+            to the host (the finest interleaving of joins and reloads); more saves the
+            per-call dispatch, and the call still ends early when a row finishes while
+            requests wait.
+        record_support: also record each id's kept ids (``Draw.support``); costs an
+            ``[S, steps_per_call, V]`` boolean transfer per call.
+        buckets: increasing prompt widths to pad prefills to; None: powers of two from 16
+            below ``capacity``, then ``capacity``.
+        version: the version the initial variables are served as.
+        seed: seeds the stream that gives a seed to requests submitted without one.
+        pad_id: the id left padding is filled with (never attended).
+        device: where the weights, the cache and the decoding run (default: JAX's first
+            device). Everything the server holds is committed to it, so each compiled
+            function keeps one compile.
+
+    Raises:
+        TypeError / ValueError: a bad option, named with what was expected.
+
+    Example:
+        >>> server = Server(model, variables, Sampling(eos_id=2), slots=4, capacity=64)  # doctest: +SKIP
+        >>> draw = server.submit([5, 9, 3], 16, seed=0).result()   # doctest: +SKIP
+        >>> draw.sampled_ids, draw.finish_reason, server.counters().steps   # doctest: +SKIP
+        >>> server.close()   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        variables: Any,
+        sampling: Sampling | None = None,
+        *,
+        slots: int,
+        capacity: int,
+        dtype: Any = None,
+        queue: int = 1024,
+        steps_per_call: int = 8,
+        record_support: bool = False,
+        buckets: Sequence[int] | None = None,
+        version: int = 0,
+        seed: int = 0,
+        pad_id: int = 0,
+        device: jax.Device | None = None,
+    ) -> None:
+        sampling = Sampling() if sampling is None else sampling
+        options = check_options(
+            model,
+            sampling,
+            slots=slots,
+            capacity=capacity,
+            queue=queue,
+            steps_per_call=steps_per_call,
+            version=version,
+            seed=seed,
+            pad_id=pad_id,
+        )
+        self.model, dtype = served_model(model, dtype)
+        self.sampling = sampling
+        self.slots, self.capacity, self.queue = options["slots"], options["capacity"], queue
+        self.steps_per_call = options["steps_per_call"]
+        self.record_support = bool(record_support)
+        self.buckets = prompt_buckets(buckets, self.capacity)
+        self.pad_id = options["pad_id"]
+        self.dtype = dtype
+        self._vocab = int(self.model.config.vocab_size)
+        self._eos = np.asarray(sampling.eos_ids, np.int32)
+        device = jax.devices()[0] if device is None else device
+        if not isinstance(device, jax.Device):
+            raise TypeError(f"device is {device!r}; expected a jax.Device")
+        self.device = device
+        self._variables = served_copy(variables_of(variables, "variables"), dtype, device)
+        self._signature = signature(self._variables)
+        self._cache = jax.device_put(self.model.init_cache(self.slots, self.capacity), device)
+        self._state = jax.device_put(serving.empty_slots(self.slots), device)
+        self._version = options["version"]
+        self._seeds = np.random.default_rng(options["seed"])
+        self._rows: list[Request | None] = [None] * self.slots
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._reload: Reload | None = None
+        self._reload_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._counts = collections.Counter()
+        self._histogram: collections.Counter[int] = collections.Counter()
+        self._thread = threading.Thread(target=self._loop, name="dew-rollout-server", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_task(
+        cls,
+        task: Any,
+        *,
+        slots: int,
+        capacity: int,
+        sampling: Sampling | None = None,
+        **options: Any,
+    ) -> Server:
+        """A server for what ``task`` describes: a model, its variables and sampling.
+
+        ``task`` is any object with ``model`` and ``variables`` attributes: a `ServeTask`
+        (which also carries ``sampling``), a `dew_pipe.inference.TextGeneration` (its
+        ``record_support`` carries over) or a `dew_pipe.models.Pretrained`.
+
+        Args:
+            task: the task.
+            slots: rows decoded together.
+            capacity: cache positions per row.
+            sampling: the controls; None takes ``task.sampling`` when it has one, else
+                `Sampling()`.
+            **options: the other keyword arguments of `Server`.
+
+        Raises:
+            TypeError: ``task`` without ``model`` and ``variables``; bad options as `Server`.
+
+        Example:
+            >>> task = ServeTask(model, variables, Sampling(eos_id=2, temperature=0.8))  # doctest: +SKIP
+            >>> server = Server.from_task(task, slots=8, capacity=128)   # doctest: +SKIP
+        """
+        model, variables, sampling, options = from_task_arguments(task, sampling, options)
+        return cls(model, variables, sampling, slots=slots, capacity=capacity, **options)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        """The weights version new requests are served under."""
+        return self._version
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        *,
+        seed: int | None = None,
+    ) -> Future[Draw]:
+        """Queues one draw and returns its future (blocks while the queue is full).
+
+        Args:
+            prompt_ids: the ids the model reads (1-D integers).
+            max_new_tokens: the budget (>= 1).
+            seed: ``[0, 2**32)``; None takes the next seed of the server's own stream.
+
+        Returns:
+            A future `Draw`. It fails with ValueError when the prompt is empty, holds ids
+            outside the vocabulary or does not fit ``capacity`` with the budget; with
+            RuntimeError when the server closes or fails first. ``future.cancel()``
+            withdraws the request, or stops its row at the next step.
+
+        Raises:
+            TypeError / ValueError: a bad budget, seed or prompt dtype.
+            RuntimeError: the server is closed, or its thread failed (chained from the
+                thread's exception).
+        """
+        budget = positive_int("max_new_tokens", max_new_tokens)
+        prompt = prompt_array(prompt_ids)
+        if seed is not None and (
+            isinstance(seed, bool)
+            or not isinstance(seed, int | np.integer)
+            or not 0 <= seed < _SEED_LIMIT
+        ):
+            raise ValueError(f"seed is {seed!r}; expected None or an int in [0, 2**32)")
+        future: Future[Draw] = Future()
+        with self._cond:
+            self._check_open()
+            problem = prompt_problem(prompt, budget, self._vocab, self.capacity)
+            if problem is not None:
+                self._counts["failed"] += 1
+                future.set_exception(ValueError(problem))
+                return future
+            while len(self._waiting) >= self.queue:
+                self._cond.wait()
+                self._check_open()
+            if seed is None:
+                seed = int(self._seeds.integers(_SEED_LIMIT))
+            request = Request(future, prompt, budget, int(seed), self._version)
+            self._waiting.append(request)
+            self._cond.notify_all()
+        future.add_done_callback(self._on_done)
+        return future
+
+    def reload(self, variables: Any, version: int | None = None) -> None:
+        """Serves ``variables`` from the next step on, copied over the served weights.
+
+        Blocks until the server thread has applied it between two steps (at once when
+        idle). Floating leaves are cast to the served dtype; the caller's arrays are not
+        kept, so they may be donated right after. Draws in flight continue on the new
+        weights; their `Draw.version` stays the oldest that produced any of their ids.
+
+        Args:
+            variables: ``{"params": ...}`` with the served tree's structure and shapes (or
+                an object whose ``params`` is one, such as a ``TrainState``).
+            version: the version it is served as; None: the served version plus one.
+
+        Raises:
+            TypeError / ValueError: a tree that does not match, naming the leaf; a bad
+                version.
+            RuntimeError: the server is closed or failed, or called from its own thread.
+        """
+        variables = variables_of(variables, "variables")
+        check_tree(self._signature, variables)
+        if version is not None:
+            version_number("version", version)
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Server.reload was called from the server's own thread")
+        with self._reload_lock:
+            with self._cond:
+                self._check_open()
+                target = self._version + 1 if version is None else int(version)
+                request = Reload(variables, target)
+                self._reload = request
+                self._cond.notify_all()
+            request.done.wait()
+        if request.error is not None:
+            raise RuntimeError(f"Server.reload to version {target} failed") from request.error
+
+    def counters(self) -> ServerCounters:
+        """A consistent snapshot of the counters (see `ServerCounters`)."""
+        with self._cond:
+            c = self._counts
+            return ServerCounters(
+                steps=c["steps"],
+                calls=c["calls"],
+                prefills=c["prefills"],
+                joined=c["joined"],
+                joined_mid_flight=c["joined_mid_flight"],
+                finished=c["finished"],
+                cancelled=c["cancelled"],
+                failed=c["failed"],
+                reloads=c["reloads"],
+                rows_per_step=dict(self._histogram),
+                active=sum(r is not None for r in self._rows),
+                waiting=len(self._waiting),
+                version=self._version,
+            )
+
+    @property
+    def variables(self) -> Any:
+        """The served variables (the server's own buffers; replaced by each reload)."""
+        return self._variables
+
+    def close(self) -> None:
+        """Stops the thread after its current call, fails unfinished draws, joins it.
+
+        Idempotent. Futures still queued or decoding fail with RuntimeError.
+
+        Raises:
+            RuntimeError: called from the server's own thread.
+        """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Server.close was called from the server's own thread")
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._abandon(RuntimeError("the rollout server was closed before this request finished"))
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"the rollout server's thread failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
+        if self._closing:
+            raise RuntimeError("the rollout server is closed")
+
+    # ------------------------------------------------------------------ server thread
+
+    def _on_done(self, future: Future) -> None:
+        if future.cancelled():  # wake the thread so it frees the row or queue entry
+            with self._cond:
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except BaseException as error:  # noqa: BLE001 - reported to every caller
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+            self._abandon(
+                RuntimeError(
+                    f"the rollout server's thread failed: {type(error).__name__}: {error}"
+                ),
+                cause=error,
+            )
+
+    def _serve_once(self) -> bool:
+        with self._cond:
+            while True:
+                if self._closing:
+                    return False
+                self._drop_cancelled()
+                free = [r for r, req in enumerate(self._rows) if req is None]
+                busy = len(free) < self.slots
+                if self._reload is not None or busy or (self._waiting and free):
+                    break
+                self._cond.wait()
+            reload, self._reload = self._reload, None
+            # Joining requests take their rows now, so a failure from here on finds them.
+            joining = []
+            for r in free[: len(self._waiting)]:
+                self._rows[r] = self._waiting.popleft()
+                joining.append(r)
+            if joining:
+                self._cond.notify_all()  # room in the queue for blocked submitters
+        if reload is not None:
+            self._apply_reload(reload)
+        if joining:
+            self._start(joining, busy)
+        if any(req is not None for req in self._rows):
+            self._advance()
+        return True
+
+    def _drop_cancelled(self) -> None:
+        """Forgets cancelled requests, queued or decoding (a freed row is reused at once)."""
+        kept = [req for req in self._waiting if not req.future.cancelled()]
+        dropped = len(self._waiting) - len(kept)
+        self._waiting = collections.deque(kept)
+        for r, req in enumerate(self._rows):
+            if req is not None and req.future.cancelled():
+                self._rows[r] = None
+                dropped += 1
+        self._counts["cancelled"] += dropped
+
+    def _apply_reload(self, request: Reload) -> None:
+        try:
+            new = jax.device_put(request.variables, self.device)
+            self._variables = serving.copy_into(self._variables, new)
+            jax.block_until_ready(self._variables)
+        except BaseException as error:
+            request.error = error
+            request.done.set()
+            raise
+        with self._cond:
+            self._version = request.version
+            self._counts["reloads"] += 1
+        request.done.set()
+
+    def _start(self, joining: list[int], mid_flight: bool) -> None:
+        """Prefills the requests just placed in rows ``joining`` (one compiled call)."""
+        requests = [self._rows[r] for r in joining]
+        entries = bucket(len(joining), self.slots)
+        width = next(b for b in self.buckets if b >= max(req.prompt.size for req in requests))
+        rows = np.full(entries, self.slots, np.int32)  # out of range: a padding entry
+        prompts = np.full((entries, width), self.pad_id, np.int32)
+        lengths, limits = np.ones(entries, np.int32), np.ones(entries, np.int32)
+        seeds = np.zeros(entries, np.uint32)
+        for j, (r, req) in enumerate(zip(joining, requests, strict=True)):
+            rows[j] = r
+            prompts[j, width - req.prompt.size :] = req.prompt
+            lengths[j], limits[j], seeds[j] = req.prompt.size, req.budget, req.seed
+        self._cache, self._state, first = serving.prefill(
+            self.model,
+            self._variables,
+            self._cache,
+            self._state,
+            *jax.device_put((rows, prompts, lengths, limits, seeds), self.device),
+            sampling=self.sampling,
+            support=self.record_support,
+        )
+        first = jax.device_get(first)
+        finished = []
+        with self._cond:
+            self._counts["prefills"] += 1
+            self._counts["joined"] += len(joining)
+            self._counts["joined_mid_flight"] += len(joining) if mid_flight else 0
+            for j, (r, req) in enumerate(zip(joining, requests, strict=True)):
+                support = None if first.support is None else first.support[j : j + 1]
+                req.record(
+                    self._version,
+                    first.ids[j : j + 1],
+                    first.log_probs[j : j + 1],
+                    first.behavior_log_probs[j : j + 1],
+                    support,
+                )
+                if self._done(req):
+                    if self._rows[r] is req:
+                        self._rows[r] = None
+                    finished.append(req)
+        self._finish(finished)
+
+    def _advance(self) -> None:
+        """One compiled decode call over the busy rows; finished rows resolve."""
+        keep = np.array([req is not None for req in self._rows])
+        eager = bool(self._waiting)
+        self._cache, self._state, out = serving.advance(
+            self.model,
+            self._variables,
+            self._cache,
+            self._state,
+            *jax.device_put((keep, np.bool_(eager)), self.device),
+            steps=self.steps_per_call,
+            sampling=self.sampling,
+            support=self.record_support,
+        )
+        out, counts, active = jax.device_get((out, self._state.count, self._state.active))
+        steps = int(out.steps)
+        finished = []
+        with self._cond:
+            self._counts["calls"] += 1
+            self._counts["steps"] += steps
+            self._histogram.update(int(n) for n in out.active_rows[:steps])
+            for r, req in enumerate(self._rows):
+                if req is None:
+                    continue
+                new = int(counts[r]) - req.count
+                if new:
+                    support = None if out.support is None else out.support[r, :new]
+                    req.record(
+                        self._version,
+                        out.ids[r, :new],
+                        out.log_probs[r, :new],
+                        out.behavior_log_probs[r, :new],
+                        support,
+                    )
+                if not active[r]:
+                    self._rows[r] = None
+                    finished.append(req)
+        self._finish(finished)
+
+    def _done(self, req: Request) -> bool:
+        last = int(req.ids[-1][-1])
+        return req.count >= req.budget or bool(np.any(self._eos == last))
+
+    def _finish(self, requests: list[Request]) -> None:
+        """Resolves finished requests (outside the lock: callbacks run here)."""
+        for req in requests:
+            ids = np.concatenate(req.ids).astype(np.int32)
+            stopped = bool(np.any(self._eos == ids[-1]))
+            draw = Draw(
+                prompt_ids=req.prompt,
+                sampled_ids=ids,
+                behavior_log_probs=np.concatenate(req.behavior),
+                finish_reason="stop" if stopped else "length",
+                version=req.version,
+                submitted_version=req.submitted_version,
+                log_probs=np.concatenate(req.log_probs),
+                support=tuple(req.support) if self.record_support else None,
+                seed=req.seed,
+            )
+            try:
+                req.future.set_result(draw)
+                key = "finished"
+            except InvalidStateError:  # cancelled while its last call ran
+                key = "cancelled"
+            with self._cond:
+                self._counts[key] += 1
+
+    def _abandon(self, error: BaseException, cause: BaseException | None = None) -> None:
+        """Fails every queued and running request and a pending reload with ``error``."""
+        with self._cond:
+            requests = [*self._waiting, *(req for req in self._rows if req is not None)]
+            self._waiting.clear()
+            self._rows = [None] * self.slots
+            reload, self._reload = self._reload, None
+            self._cond.notify_all()
+        if cause is not None:
+            error.__cause__ = cause
+        for req in requests:
+            try:
+                req.future.set_exception(error)
+            except InvalidStateError:
+                continue
+            with self._cond:
+                self._counts["failed"] += 1
+        if reload is not None:
+            reload.error = error
+            reload.done.set()

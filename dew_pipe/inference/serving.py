@@ -1,0 +1,247 @@
+"""The compiled halves of the continuous-batching `Server`: join rows, advance rows, reload.
+
+The server keeps ``S`` rows of decoder cache (``C`` slots each) and a `Slots` record of
+every row's decoding state on the device. Three compiled functions change them, each
+donating the cache and the slots so XLA updates them in place:
+
+- `prefill` starts ``J`` new requests in chosen rows: their left-padded prompts ``[J, P]``
+  go through the decoder into a fresh ``[J, C]`` cache (real ids at slots ``0 .. n - 1``,
+  padding dropped, as `dew_pipe.inference.generate` packs them), which is then scattered
+  into those rows; the first id of each is sampled from the last prompt position. Rows
+  not named are untouched, so the running batch is not disturbed. One compile per
+  (J bucket, P bucket).
+- `advance` runs up to ``steps`` decode steps over all rows in a ``lax.while_loop``
+  (`dew_pipe.inference.decoding.decode_step`), feeding each active row's last id and
+  sampling its next; a row stops on EOS or on its budget. With ``eager`` set it also stops
+  after the first step in which any row finished, so a waiting request can take that row.
+  One compile per server.
+- `copy_into` writes new weights into the served buffers (donated), casting each floating
+  leaf to the served dtype.
+
+**Randomness.** Row b's ``t``-th id is drawn with ``fold_in(key(seed_b), t)``: the draw
+depends on its own seed and position only, never on which row it sits in, which other
+requests share the batch or how the steps are grouped into calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dew_pipe.inference.decoding import decode_step
+from dew_pipe.sampling import Sampled, Sampling, sample
+
+__all__ = ["Slots", "advance", "copy_into", "empty_slots", "prefill"]
+
+
+class Slots(NamedTuple):
+    """Every row's decoding state (``[S]`` each)."""
+
+    last: jax.Array  # int32: the last sampled id, fed at the next step
+    position: jax.Array  # int32: that id's position (and cache slot)
+    count: jax.Array  # int32: ids sampled so far
+    limit: jax.Array  # int32: the row's budget (max_new_tokens)
+    seed: jax.Array  # uint32: the request's seed
+    active: jax.Array  # bool: still decoding
+
+
+class Advanced(NamedTuple):
+    """What one `advance` call produced (host reads it after the call)."""
+
+    ids: jax.Array  # [S, steps] int32, row b's new ids in columns 0 .. new_b - 1
+    log_probs: jax.Array  # [S, steps] float32 raw
+    behavior_log_probs: jax.Array  # [S, steps] float32
+    support: jax.Array | None  # [S, steps, V] bool, when recorded
+    steps: jax.Array  # int32: decode steps run
+    active_rows: jax.Array  # [steps] int32: rows decoded by each step
+
+
+def empty_slots(rows: int) -> Slots:
+    """State of ``rows`` idle rows."""
+    # Separate buffers: the slots are donated, and one buffer cannot be donated twice.
+    return Slots(
+        *(jnp.zeros((rows,), jnp.int32) for _ in range(4)),
+        jnp.zeros((rows,), jnp.uint32),
+        jnp.zeros((rows,), bool),
+    )
+
+
+def sample_rows(
+    logits: jax.Array, seeds: jax.Array, counts: jax.Array, sampling: Sampling, support: bool
+) -> Sampled:
+    """`sample` per row with key ``fold_in(key(seed), count)`` (see the module docstring)."""
+
+    def one(row: jax.Array, seed: jax.Array, count: jax.Array) -> Sampled:
+        key = jax.random.fold_in(jax.random.key(seed), count)
+        drawn = sample(row[None], key, sampling, support=support)
+        return jax.tree.map(lambda x: x[0], drawn)
+
+    return jax.vmap(one)(logits, seeds, counts)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "sampling", "support"),
+    donate_argnames=("cache", "slots"),
+)
+def prefill(
+    model: Any,
+    variables: Any,
+    cache: dict[str, jax.Array],
+    slots: Slots,
+    rows: jax.Array,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    seeds: jax.Array,
+    *,
+    sampling: Sampling,
+    support: bool,
+) -> tuple[dict[str, jax.Array], Slots, Sampled]:
+    """Starts requests in ``rows`` ``[J]`` (an out-of-range row marks a padding entry).
+
+    ``prompts`` ``[J, P]`` left padded, ``lengths``/``limits`` ``[J]`` int32, ``seeds``
+    ``[J]`` uint32. Returns the cache, the slots and the first sampled id of each entry.
+    """
+    joined, width = prompts.shape
+    length = cache["positions"].shape[1]
+    start = width - lengths
+    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
+    real = columns >= start[:, None]
+    fresh = model.init_cache(joined, length, dtype=cache["key"].dtype)
+    hidden, fresh = model.apply(
+        variables,
+        prompts,
+        real.astype(jnp.int32),
+        jnp.where(real, columns - start[:, None], 0),
+        cache=fresh,
+        cache_index=-start,
+        method="features",
+    )
+    logits = model.apply(variables, hidden[:, -1], method="logits")
+    first = sample_rows(logits, seeds, jnp.zeros_like(lengths), sampling, support)
+    cache = {
+        "key": cache["key"].at[:, rows].set(fresh["key"], mode="drop"),
+        "value": cache["value"].at[:, rows].set(fresh["value"], mode="drop"),
+        "positions": cache["positions"].at[rows].set(fresh["positions"], mode="drop"),
+    }
+    done = sampling.is_eos(first.ids) | (limits <= 1)
+
+    def put(column: jax.Array, values: jax.Array) -> jax.Array:
+        return column.at[rows].set(values.astype(column.dtype), mode="drop")
+
+    slots = Slots(
+        last=put(slots.last, first.ids),
+        position=put(slots.position, lengths),
+        count=put(slots.count, jnp.ones_like(lengths)),
+        limit=put(slots.limit, limits),
+        seed=put(slots.seed, seeds),
+        active=put(slots.active, ~done),
+    )
+    return cache, slots, first
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "sampling", "support", "steps"),
+    donate_argnames=("cache", "slots"),
+)
+def advance(
+    model: Any,
+    variables: Any,
+    cache: dict[str, jax.Array],
+    slots: Slots,
+    keep: jax.Array,
+    eager: jax.Array,
+    *,
+    steps: int,
+    sampling: Sampling,
+    support: bool,
+) -> tuple[dict[str, jax.Array], Slots, Advanced]:
+    """Runs up to ``steps`` decode steps over the rows active in ``slots`` and ``keep``.
+
+    ``keep`` ``[S]`` bool drops rows the host has released (cancelled); ``eager`` (bool
+    scalar) stops after the first step in which a row finished.
+    """
+    rows = slots.last.shape[0]
+    step_fn = decode_step(model, variables)
+    vocab = model.config.vocab_size
+
+    out = {
+        "ids": jnp.zeros((rows, steps), jnp.int32),
+        "log_probs": jnp.zeros((rows, steps), jnp.float32),
+        "behavior_log_probs": jnp.zeros((rows, steps), jnp.float32),
+    }
+    if support:
+        out["support"] = jnp.zeros((rows, steps, vocab), bool)
+    state = dict(
+        step=jnp.int32(0),
+        decode=step_fn.start(cache),
+        slots=slots._replace(active=slots.active & keep),
+        finished=jnp.bool_(False),
+        out=out,
+        active_rows=jnp.zeros((steps,), jnp.int32),
+    )
+
+    def running(state: dict[str, Any]) -> jax.Array:
+        more = jnp.any(state["slots"].active) & ~(eager & state["finished"])
+        return (state["step"] < steps) & more
+
+    def step(state: dict[str, Any]) -> dict[str, Any]:
+        i, s = state["step"], state["slots"]
+        active = s.active
+        logits, decode = step_fn(state["decode"], s.last, s.position, s.position, active)
+        drawn = sample_rows(logits, s.seed, s.count, sampling, support)
+        values = {
+            "ids": jnp.where(active, drawn.ids, 0),
+            "log_probs": jnp.where(active, drawn.log_probs, 0.0),
+            "behavior_log_probs": jnp.where(active, drawn.behavior_log_probs, 0.0),
+        }
+        if support:
+            values["support"] = drawn.support & active[:, None]
+        out = {
+            name: jax.lax.dynamic_update_index_in_dim(state["out"][name], values[name], i, 1)
+            for name in state["out"]
+        }
+        moved = active.astype(jnp.int32)
+        count = s.count + moved
+        finished = active & (sampling.is_eos(drawn.ids) | (count >= s.limit))
+        slots = s._replace(
+            last=jnp.where(active, drawn.ids, s.last),
+            position=s.position + moved,
+            count=count,
+            active=active & ~finished,
+        )
+        return dict(
+            step=i + 1,
+            decode=decode,
+            slots=slots,
+            finished=state["finished"] | jnp.any(finished),
+            out=out,
+            active_rows=state["active_rows"].at[i].set(jnp.sum(moved)),
+        )
+
+    state = jax.lax.while_loop(running, step, state)
+    out = state["out"]
+    result = Advanced(
+        ids=out["ids"],
+        log_probs=out["log_probs"],
+        behavior_log_probs=out["behavior_log_probs"],
+        support=out.get("support"),
+        steps=state["step"],
+        active_rows=state["active_rows"],
+    )
+    return step_fn.finish(state["decode"]), state["slots"], result
+
+
+@functools.partial(jax.jit, donate_argnums=0, keep_unused=True)
+def copy_into(served: Any, new: Any) -> Any:
+    """``new`` written over the donated ``served`` buffers, each leaf in the served dtype.
+
+    ``keep_unused`` keeps ``served`` an argument although only its dtypes are read, so its
+    donated buffers are reused for the result (an in-place copy).
+    """
+    return jax.tree.map(lambda old, leaf: leaf.astype(old.dtype), served, new)

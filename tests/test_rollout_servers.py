@@ -1,0 +1,398 @@
+"""The native rollout server: continuous batching, likelihoods, reloads, seeds, failures.
+
+Draws are checked against an uncached forward pass (raw and behavior log-probabilities,
+supports) and against `generate` (greedy ids). Interleavings that matter (a request joining
+a running batch, a reload in the middle of a draw, cancellation, close) are made
+deterministic with `GatedServer`, whose decode calls each wait for a permit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serving_helpers import (
+    PROBES,
+    GatedServer,
+    Reference,
+    bfloat16_model,
+    choose_eos,
+    greedy_references,
+    other_weights,
+    tiny_model,
+    until_eos,
+    wait_for,
+)
+
+from dew_pipe.inference import (
+    Draw,
+    NativeRolloutServer,
+    RolloutServer,
+    Server,
+    ServeTask,
+    TextGeneration,
+)
+from dew_pipe.sampling import Sampling
+
+SAMPLING = Sampling(temperature=0.7, top_k=6)  # no EOS: every draw runs to its budget
+OPTIONS = dict(slots=4, capacity=24, steps_per_call=2, record_support=True)
+P1, P2, P3 = [5, 9, 2, 17, 30, 4], [11, 3, 8], [21]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, variables = tiny_model(0)
+    return model, variables, other_weights(variables), Reference(model)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    model, variables, _, _ = tiny
+    server = Server.from_task(ServeTask(model, variables, SAMPLING), **OPTIONS)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def gated(tiny):
+    """A fresh gated server with the module server's compiled shapes (no new compile)."""
+    model, variables, _, _ = tiny
+    server = GatedServer(model, variables, SAMPLING, **OPTIONS)
+    yield server
+    server.permits.release(10_000)
+    server.close()
+
+
+def check_against_reference(draw: Draw, reference: Reference, variables, prompt, budget):
+    raw, behavior, support = reference.draw(variables, prompt, draw.sampled_ids, SAMPLING)
+    assert draw.prompt_ids.tolist() == prompt
+    assert draw.sampled_ids.size == budget and draw.finish_reason == "length"
+    assert not draw.stopped
+    np.testing.assert_allclose(draw.log_probs, raw, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(draw.behavior_log_probs, behavior, atol=2e-5, rtol=0)
+    assert [s.tolist() for s in draw.support] == [s.tolist() for s in support]
+    assert all(t in s for t, s in zip(draw.sampled_ids, draw.support, strict=True))
+
+
+# ------------------------------------------------------------------ draws and likelihoods
+
+
+def test_draws_carry_the_raw_and_behavior_likelihoods_of_an_uncached_reference(server, tiny):
+    _, variables, _, reference = tiny
+    jobs = [(P1, 7, 1), (P2, 12, 2), (P3, 5, 3), (P2, 1, 4)]
+    futures = [server.submit(p, budget, seed=seed) for p, budget, seed in jobs]
+    for (prompt, budget, seed), future in zip(jobs, futures, strict=True):
+        draw = future.result(timeout=120)
+        check_against_reference(draw, reference, variables, prompt, budget)
+        assert (draw.version, draw.submitted_version, draw.seed) == (0, 0, seed)
+        call = draw.call()
+        assert call.version == 0 and call.finish_reason == "length"
+        np.testing.assert_array_equal(call.log_probs, draw.log_probs)
+    counters = server.counters()
+    assert counters.finished >= len(jobs) and counters.active == 0 and counters.waiting == 0
+
+
+def test_a_seed_fixes_the_draw_whatever_shares_the_batch(server):
+    alone = server.submit(P1, 10, seed=11).result(timeout=120)
+    mates = [server.submit(P2, 12, seed=s) for s in (1, 2)]
+    again = server.submit(P1, 10, seed=11)
+    mates += [server.submit(P3, 3, seed=s) for s in (3, 4, 5)]
+    crowded = again.result(timeout=120)
+    np.testing.assert_array_equal(crowded.sampled_ids, alone.sampled_ids)
+    np.testing.assert_allclose(crowded.log_probs, alone.log_probs, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        crowded.behavior_log_probs, alone.behavior_log_probs, atol=1e-5, rtol=0
+    )
+    others = [server.submit(P1, 10, seed=s).result(timeout=120) for s in (12, 13)]
+    assert any(not np.array_equal(o.sampled_ids, alone.sampled_ids) for o in others)
+    for future in mates:
+        future.result(timeout=120)
+
+
+# ------------------------------------------------------------------ joins and reloads
+
+
+def test_a_request_joins_the_running_batch_and_a_reload_lands_mid_draw(gated, tiny):
+    _, variables, new_variables, reference = tiny
+    x = gated.submit(P1, 9, seed=3)
+    wait_for(lambda: gated.parked == 1, what="x to start")
+    gated.permits.release(2)  # two calls: x has 1 + 2 + 2 ids
+    wait_for(lambda: gated.parked == 3, what="two decode calls")
+    y = gated.submit(P2, 4, seed=4)  # queued behind the call waiting for its permit
+    reloader = threading.Thread(target=gated.reload, args=(new_variables, 1))
+    reloader.start()
+    wait_for(lambda: gated._reload is not None, what="the reload to be queued")
+    gated.permits.release(1)  # x's ids 5 and 6 on the old weights; then reload, y joins
+    reloader.join(timeout=120)
+    assert not reloader.is_alive() and gated.version == 1
+    gated.permits.release(100)
+    dx, dy = x.result(timeout=120), y.result(timeout=120)
+
+    # x: ids 0..6 come from the old weights; ids 7 and 8 from the new ones, which read
+    # the keys and values the old weights left in x's cache. Its version is the oldest.
+    assert (dx.version, dx.submitted_version) == (0, 0)
+    old = reference.draw(variables, P1, dx.sampled_ids, SAMPLING)[0]
+    switched = reference.switched(variables, new_variables, P1, dx.sampled_ids, fed_old=6)
+    np.testing.assert_allclose(dx.log_probs, np.r_[old[:7], switched], atol=2e-5, rtol=0)
+    assert not np.allclose(dx.log_probs[7:], old[7:], atol=1e-3)
+    # y was submitted under version 0 but every id came from version 1.
+    assert (dy.version, dy.submitted_version) == (1, 0)
+    check_against_reference(dy, reference, new_variables, P2, 4)
+
+    counters = gated.counters()
+    assert counters.reloads == 1 and counters.version == 1
+    assert counters.joined == 2 and counters.joined_mid_flight == 1
+    assert counters.rows_per_step.get(2, 0) >= 1  # x and y decoded in one step
+    assert counters.steps == sum(counters.rows_per_step.values())
+    after = gated.submit(P3, 2, seed=5)
+    gated.permits.release(10)
+    assert (after.result(timeout=120).version, after.result().submitted_version) == (1, 1)
+
+
+def test_reload_refuses_a_tree_that_does_not_match(server, tiny):
+    _, variables, _, _ = tiny
+    params = variables["params"]
+    wrong_shape = {"params": {**params, "embed": jnp.zeros((3, 3))}}
+    with pytest.raises(ValueError, match=r"\['params'\]\['embed'\] has shape \(3, 3\)"):
+        server.reload(wrong_shape)
+    as_ints = {"params": {**params, "embed": params["embed"].astype(jnp.int32)}}
+    with pytest.raises(TypeError, match="expected a floating dtype"):
+        server.reload(as_ints)
+    missing = {"params": {k: v for k, v in params.items() if k != "embed"}}
+    with pytest.raises(ValueError, match="tree structure"):
+        server.reload(missing)
+    with pytest.raises(TypeError, match="expected a variables mapping"):
+        server.reload(params)
+    with pytest.raises(ValueError, match="version is -1"):
+        server.reload(variables, version=-1)
+    assert server.counters().reloads == 0
+
+
+# ------------------------------------------------------------------ cancel, close, failure
+
+
+def test_cancel_withdraws_a_queued_request_and_frees_a_running_row(gated):
+    a = gated.submit(P1, 16, seed=0)
+    wait_for(lambda: gated.parked == 1, what="a to start")
+    others = [gated.submit(P2, 3, seed=s) for s in (1, 2, 3)]
+    queued = gated.submit(P3, 3, seed=4)  # joins only once a row is free
+    wait_for(lambda: gated.counters().waiting == 4, what="four queued")
+    assert a.cancel() and queued.cancel()
+    gated.permits.release(100)
+    for future in others:
+        assert future.result(timeout=120).sampled_ids.size == 3
+    wait_for(lambda: gated.counters().active == 0, what="rows to empty")
+    counters = gated.counters()
+    assert counters.cancelled == 2 and counters.finished == 3 and counters.joined == 4
+    with pytest.raises(cf.CancelledError):
+        a.result()
+    assert queued.cancelled()
+
+
+def test_close_fails_pending_draws_and_joins_the_thread(gated):
+    futures = [gated.submit(P1, 16, seed=s) for s in range(6)]
+    wait_for(lambda: gated.parked == 1, what="a draw to start")
+    closer = threading.Thread(target=gated.close)
+    closer.start()
+    gated.permits.release(1)  # the call in progress ends; the thread then stops
+    closer.join(timeout=120)
+    assert not closer.is_alive() and not gated._thread.is_alive()
+    for future in futures:
+        with pytest.raises(RuntimeError, match="closed before this request finished"):
+            future.result(timeout=1)
+    assert gated.counters().failed == 6
+    with pytest.raises(RuntimeError, match="is closed"):
+        gated.submit(P1, 2)
+    with pytest.raises(RuntimeError, match="is closed"):
+        gated.reload(gated.variables)
+    gated.close()  # idempotent
+
+
+def test_a_failure_in_the_server_thread_fails_every_draw_and_the_next_submit(gated):
+    boom = OSError("device lost")
+    gated.fail_with = boom
+    futures = [gated.submit(P1, 8, seed=s) for s in range(6)]
+    gated.permits.release(1)
+    for future in futures:
+        error = future.exception(timeout=120)
+        assert isinstance(error, RuntimeError) and error.__cause__ is boom
+        assert "OSError: device lost" in str(error)
+    with pytest.raises(RuntimeError, match="thread failed") as info:
+        gated.submit(P1, 2)
+    assert info.value.__cause__ is boom
+    with pytest.raises(RuntimeError, match="thread failed"):
+        gated.reload(gated.variables)
+    gated._thread.join(timeout=60)
+    assert not gated._thread.is_alive()
+
+
+def test_a_full_queue_blocks_submit_until_a_row_takes_a_request(tiny):
+    model, variables, _, _ = tiny
+    server = GatedServer(model, variables, SAMPLING, queue=1, **OPTIONS)
+    try:
+        first = server.submit(P1, 4, seed=0)
+        wait_for(lambda: server.parked == 1, what="the first draw to start")
+        second = server.submit(P2, 4, seed=1)  # fills the queue
+        third: list = []
+        blocked = threading.Thread(target=lambda: third.append(server.submit(P3, 4, seed=2)))
+        blocked.start()
+        blocked.join(timeout=0.3)
+        assert blocked.is_alive() and not third  # waiting for room in the queue
+        server.permits.release(1)  # after this call the second request joins a row
+        blocked.join(timeout=120)
+        assert not blocked.is_alive() and len(third) == 1
+        server.permits.release(100)
+        for future in (first, second, third[0]):
+            assert future.result(timeout=120).sampled_ids.size == 4
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_bad_requests_fail_their_future_or_raise(server):
+    too_long = server.submit(list(range(1, 21)), 6)  # 20 + 6 - 1 = 25 > capacity 24
+    with pytest.raises(ValueError, match=r"needs 25 cache positions.*capacity is 24.*19 ids"):
+        too_long.result(timeout=5)
+    with pytest.raises(ValueError, match=r"ids in \[0, 40\].*vocab_size"):
+        server.submit([0, 40], 2).result(timeout=5)
+    with pytest.raises(ValueError, match="nonempty 1-D"):
+        server.submit([], 2).result(timeout=5)
+    with pytest.raises(TypeError, match="prompt_ids has dtype float"):
+        server.submit([1.5, 2.0], 2)
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        server.submit([1, 2], 0)
+    with pytest.raises(TypeError, match="max_new_tokens is 2.0"):
+        server.submit([1, 2], 2.0)
+    for seed in (-1, 2**32, True):
+        with pytest.raises(ValueError, match="seed is"):
+            server.submit([1, 2], 2, seed=seed)
+    assert server.counters().failed >= 3
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(slots=0), ValueError, "slots is 0"),
+        (dict(capacity=33), ValueError, "max_seq_len=32"),
+        (dict(queue=0), ValueError, "queue is 0"),
+        (dict(steps_per_call=1.5), TypeError, "steps_per_call is 1.5"),
+        (dict(dtype=jnp.int32), ValueError, "expected a floating dtype"),
+        (dict(buckets=(8, 4)), ValueError, "buckets is"),
+        (dict(sampling=Sampling(eos_id=40)), ValueError, "vocab_size=32"),
+        (dict(sampling="greedy"), TypeError, "expected a dew_pipe.sampling.Sampling"),
+    ],
+)
+def test_bad_options_are_refused_before_any_thread_starts(tiny, options, error, match):
+    model, variables, _, _ = tiny
+    options = {"slots": 2, "capacity": 16, **options}
+    sampling = options.pop("sampling", None)
+    before = threading.active_count()
+    with pytest.raises(error, match=match):
+        Server(model, variables, sampling, **options)
+    assert threading.active_count() == before
+
+
+def test_from_task_reads_a_text_generation_and_copies_its_weights(server, tiny):
+    model, variables, _, _ = tiny
+    policy = TextGeneration(model, variables, record_support=True)
+    with Server.from_task(
+        policy, sampling=SAMPLING, slots=4, capacity=24, steps_per_call=2
+    ) as other:
+        assert other.record_support and other.sampling == SAMPLING
+        pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(other.variables)]
+        assert not set(pointers) & {x.unsafe_buffer_pointer() for x in jax.tree.leaves(variables)}
+        mine = other.submit(P2, 5, seed=21).result(timeout=120)
+    theirs = server.submit(P2, 5, seed=21).result(timeout=120)
+    np.testing.assert_array_equal(mine.sampled_ids, theirs.sampled_ids)
+
+
+def test_from_task_needs_a_model_and_variables():
+    with pytest.raises(TypeError, match="expected an object with model and variables"):
+        Server.from_task(object(), slots=2, capacity=16)
+    with pytest.raises(TypeError, match="expected a dew_pipe.inference.Server"):
+        NativeRolloutServer(object())
+
+
+# ------------------------------------------------------------------ bfloat16, greedy, EOS
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny):
+    """A greedy bfloat16 server over float32 variables, with an EOS pair from the probes."""
+    model, variables, new_variables, _ = tiny
+    served = bfloat16_model(model)
+    cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables)
+    refs = greedy_references(served, cast)
+    eos, probes = choose_eos(refs)
+    sampling = Sampling(eos_id=eos, temperature=0)
+    native = NativeRolloutServer(
+        Server.from_task(
+            ServeTask(model, variables, sampling),
+            slots=2,
+            capacity=24,
+            dtype=jnp.bfloat16,
+            steps_per_call=4,
+        )
+    )
+    yield native, served, refs, eos, probes
+    native.close()
+
+
+def test_bfloat16_greedy_draws_equal_generate_and_stop_on_either_eos(bf16):
+    native, _, refs, eos, probes = bf16
+    assert isinstance(native, RolloutServer)
+    assert native.server.model.config.dtype == jnp.bfloat16
+    futures = [native.submit(PROBES[i], 8, seed=i) for i in probes]
+    draws = [f.result(timeout=120) for f in futures]
+    for i, draw in zip(probes, draws, strict=True):
+        expected = until_eos(refs[i], eos)
+        assert draw.sampled_ids.tolist() == expected
+        assert draw.finish_reason == ("stop" if expected[-1] in eos else "length")
+        np.testing.assert_array_equal(draw.behavior_log_probs, 0.0)  # greedy: certain
+    assert [d.sampled_ids[-1] for d in draws[:2]] == list(eos)  # each EOS id ends a draw
+    assert draws[2].finish_reason == "length" and draws[2].sampled_ids.size == 8
+
+
+def test_load_casts_float32_weights_into_the_served_bfloat16_buffers_in_place(bf16, tiny):
+    native, served, _, eos, _ = bf16
+    _, _, new_variables, _ = tiny
+    leaves = jax.tree.leaves(native.server.variables)
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
+    pointers = [leaf.unsafe_buffer_pointer() for leaf in leaves]
+    native.load(new_variables, 5)
+    assert native.version == 5 and native.counters().reloads == 1
+    reloaded = jax.tree.leaves(native.server.variables)
+    assert [leaf.unsafe_buffer_pointer() for leaf in reloaded] == pointers  # in place
+    for got, given in zip(reloaded, jax.tree.leaves(new_variables), strict=True):
+        assert not given.is_deleted()  # the caller's float32 arrays are untouched
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(given.astype(jnp.bfloat16), np.float32)
+        )
+    refs = greedy_references(served, jax.tree.map(lambda x: x.astype(jnp.bfloat16), new_variables))
+    futures = [native.submit(p, 8, seed=0) for p in PROBES]
+    draws = [f.result(timeout=120) for f in futures]
+    for ref, draw in zip(refs, draws, strict=True):
+        assert draw.sampled_ids.tolist() == until_eos(ref, eos)
+        assert (draw.version, draw.submitted_version) == (5, 5)
+    with pytest.raises(ValueError, match="version is -2"):
+        native.load(new_variables, -2)
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    attempted = 0
+    for name in ("rollout", "server_setup", "prompt_source"):
+        module = importlib.import_module(f"dew_pipe.inference.{name}")
+        failed, tried = doctest.testmod(module)
+        assert failed == 0, name
+        attempted += tried
+    assert attempted >= 5

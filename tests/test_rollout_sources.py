@@ -1,0 +1,385 @@
+"""PromptSource: one draw per sample, scored on a thread pool, with a status for every end.
+
+Statuses, failures and cancellation run against a scripted server whose draws the test
+resolves by hand; the last test runs the source over the native server (greedy bfloat16,
+an EOS pair chosen from `generate`'s own continuations) and prompt rows read by
+`prompt_tasks`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serving_helpers import (
+    PROBES,
+    bfloat16_model,
+    choose_eos,
+    greedy_references,
+    tiny_model,
+    until_eos,
+)
+
+from dew_pipe.data.text_columns import encode_text_column
+from dew_pipe.inference import Draw, NativeRolloutServer, PromptSource, Server, ServeTask
+from dew_pipe.inference.prompt_source import join_ids
+from dew_pipe.objectives.rl import prompt_tasks
+from dew_pipe.objectives.rl.sessions import SessionSource, Status, Task
+from dew_pipe.sampling import Sampling
+
+EOS = 2
+TASK = Task(
+    7,
+    {
+        "prompt": np.array([5, 6], np.int32),
+        "data_source": "src",
+        "ground_truth": "4 9",
+        "extra_info": "{}",
+    },
+)
+
+
+class ScriptedServer:
+    """A RolloutServer whose draws stay pending until the test resolves them."""
+
+    def __init__(self, version: int = 3) -> None:
+        self.version = version
+        self.requests: list[tuple[list[int], int, int, cf.Future]] = []
+        self.closed = False
+
+    def submit(self, prompt_ids, max_new_tokens, *, seed=None):
+        future = cf.Future()
+        self.requests.append((list(map(int, prompt_ids)), max_new_tokens, seed, future))
+        return future
+
+    def load(self, variables, version):
+        self.version = version
+
+    def close(self):
+        self.closed = True
+
+
+def draw(sampled, finish, version=1, prompt=(5, 6)):
+    n = len(sampled)
+    return Draw(
+        list(prompt),
+        sampled,
+        -np.linspace(0.1, 0.5, n),
+        finish,
+        version=version,
+        submitted_version=3,
+        log_probs=-np.linspace(0.2, 0.9, n),
+    )
+
+
+class Recorder:
+    """A reward that records its arguments and the thread it ran on."""
+
+    def __init__(self, value=1.0) -> None:
+        self.value = value
+        self.calls: list[tuple[str, str, str, str]] = []
+        self.threads: list[str] = []
+
+    def __call__(self, data_source, completion, ground_truth, extra_info):
+        self.calls.append((data_source, completion, ground_truth, extra_info))
+        self.threads.append(threading.current_thread().name)
+        return self.value(completion) if callable(self.value) else self.value
+
+
+@pytest.fixture
+def scripted():
+    server, reward = ScriptedServer(), Recorder(lambda text: float(text == "4 9"))
+    source = PromptSource(server, reward, max_new_tokens=4, workers=2)
+    yield server, reward, source
+    source.close()
+
+
+# ------------------------------------------------------------------ statuses
+
+
+def test_eos_completes_the_budget_truncates_and_both_are_scored(scripted):
+    server, reward, source = scripted
+    assert isinstance(source, SessionSource)
+    stopped = source.submit(TASK, group=1, sample=0, attempt=0)
+    truncated = source.submit(TASK, group=1, sample=1, attempt=2)
+    assert [r[:2] for r in server.requests] == [([5, 6], 4), ([5, 6], 4)]
+    d1, d2 = draw([4, 9, EOS], "stop", version=1), draw([4, 9, 9, 9], "length", version=2)
+    server.requests[0][3].set_result(d1)
+    server.requests[1][3].set_result(d2)
+    s1, s2 = stopped.result(timeout=10), truncated.result(timeout=10)
+    assert (s1.status, s1.reward, s1.task, s1.group, s1.sample, s1.attempt) == (
+        Status.COMPLETED,
+        1.0,
+        7,
+        1,
+        0,
+        0,
+    )
+    assert (s2.status, s2.reward, s2.sample, s2.attempt) == (Status.TRUNCATED, 0.0, 1, 2)
+    assert s1.calls == (d1.call(),) and s2.calls == (d2.call(),)
+    assert (s1.calls[0].version, s2.calls[0].version) == (1, 2)  # the draws' oldest versions
+    # The reward reads the task's metadata and the text without the EOS that ended the draw.
+    assert sorted(reward.calls) == [("src", "4 9", "4 9", "{}"), ("src", "4 9 9 9", "4 9", "{}")]
+    assert all(name.startswith("prompt-reward") for name in reward.threads)
+
+
+def test_a_failed_draw_is_an_infrastructure_error(scripted):
+    server, reward, source = scripted
+    future = source.submit(TASK, group=0, sample=0, attempt=1)
+    server.requests[0][3].set_exception(RuntimeError("engine down"))
+    session = future.result(timeout=10)
+    assert session.status is Status.INFRA_ERROR and session.reward is None
+    assert session.calls == () and session.attempt == 1
+    assert session.detail == "draw failed: RuntimeError: engine down"
+    assert reward.calls == []
+
+
+def test_a_draw_with_non_finite_likelihoods_is_an_infrastructure_error(scripted):
+    server, reward, source = scripted
+    future = source.submit(TASK, group=0, sample=0, attempt=0)
+    broken = Draw([5, 6], [4, EOS], [-0.1, np.nan], "stop", 1, 1)
+    server.requests[0][3].set_result(broken)
+    session = future.result(timeout=10)
+    assert session.status is Status.INFRA_ERROR and session.calls == ()
+    assert session.detail.startswith("draw failed: ValueError: Call.behavior_log_probs")
+    assert reward.calls == []
+
+
+def _raises(*args):
+    raise KeyError("no verifier")
+
+
+@pytest.mark.parametrize(
+    "value, detail",
+    [
+        (_raises, "reward failed: KeyError: 'no verifier'"),
+        (lambda *a: math.nan, "reward failed: ValueError: reward returned nan; expected a finite"),
+        (lambda *a: -math.inf, "reward failed: ValueError: reward returned -inf"),
+        (lambda *a: True, "reward failed: TypeError: reward returned True"),
+        (lambda *a: "1.0", "reward failed: TypeError: reward returned '1.0'"),
+    ],
+)
+def test_a_failed_reward_is_an_infrastructure_error_that_keeps_the_call(value, detail):
+    server = ScriptedServer()
+    with PromptSource(server, value, max_new_tokens=4) as source:
+        future = source.submit(TASK, group=0, sample=0, attempt=0)
+        sampled = draw([4, EOS], "stop")
+        server.requests[0][3].set_result(sampled)
+        session = future.result(timeout=10)
+    assert session.status is Status.INFRA_ERROR and session.reward is None
+    assert session.calls == (sampled.call(),)
+    assert session.detail.startswith(detail)
+
+
+def test_decode_turns_ids_into_the_completion_and_must_return_text():
+    server = ScriptedServer()
+    words = {4: "four", 9: "nine"}
+    reward = Recorder()
+    with PromptSource(
+        server, reward, decode=lambda ids: " ".join(words[int(i)] for i in ids), max_new_tokens=4
+    ) as source:
+        good = source.submit(TASK, group=0, sample=0, attempt=0)
+        server.requests[0][3].set_result(draw([4, 9, EOS], "stop"))
+        assert good.result(timeout=10).status is Status.COMPLETED
+    assert reward.calls[0][1] == "four nine"
+    server = ScriptedServer()
+    with PromptSource(server, reward, decode=lambda ids: ids, max_new_tokens=4) as source:
+        bad = source.submit(TASK, group=0, sample=0, attempt=0)
+        server.requests[0][3].set_result(draw([4, EOS], "stop"))
+        session = bad.result(timeout=10)
+    assert session.status is Status.INFRA_ERROR
+    assert session.detail.startswith("reward failed: TypeError: decode returned ndarray")
+
+
+def test_each_draw_is_scored_as_it_finishes_on_the_pool(scripted):
+    server, _, _ = scripted
+    release = threading.Event()
+    order: list[str] = []
+
+    def slow_reward(data_source, completion, ground_truth, extra_info):
+        if completion == "1":
+            release.wait(10)  # the first draw's verifier is still running...
+        order.append(completion)
+        return 0.0
+
+    with PromptSource(server, slow_reward, max_new_tokens=4, workers=2) as source:
+        first = source.submit(TASK, group=0, sample=0, attempt=0)
+        second = source.submit(TASK, group=0, sample=1, attempt=0)
+        third = source.submit(TASK, group=0, sample=2, attempt=0)
+        server.requests[-3][3].set_result(draw([1], "length"))
+        server.requests[-2][3].set_result(draw([2], "length"))
+        # ...while the second one is scored and resolved, and the third still draws.
+        assert second.result(timeout=10).reward == 0.0
+        assert not first.done() and not third.done()
+        release.set()
+        assert first.result(timeout=10).status is Status.TRUNCATED
+        server.requests[-1][3].set_result(draw([3], "length"))
+        third.result(timeout=10)
+    assert order == ["2", "1", "3"]
+
+
+# ------------------------------------------------------------------ cancel and close
+
+
+def test_cancel_stops_the_draw_and_resolves_cancelled(scripted):
+    server, reward, source = scripted
+    future = source.submit(TASK, group=0, sample=0, attempt=0)
+    source.cancel(future)
+    session = future.result(timeout=1)
+    assert session.status is Status.CANCELLED and session.calls == () and session.reward is None
+    assert server.requests[0][3].cancelled()  # the server drops the draw
+    done = source.submit(TASK, group=0, sample=1, attempt=0)
+    server.requests[1][3].set_result(draw([4, 9, EOS], "stop"))
+    assert done.result(timeout=10).status is Status.COMPLETED
+    source.cancel(done)  # a finished session is left alone
+    source.cancel(cf.Future())  # so is a future the source never made
+    assert done.result().status is Status.COMPLETED
+    assert len(reward.calls) == 1
+
+
+def test_cancel_while_the_reward_runs_drops_its_result():
+    server = ScriptedServer()
+    entered, release = threading.Event(), threading.Event()
+
+    def reward(*args):
+        entered.set()
+        release.wait(10)
+        return 1.0
+
+    with PromptSource(server, reward, max_new_tokens=4) as source:
+        future = source.submit(TASK, group=0, sample=0, attempt=0)
+        server.requests[0][3].set_result(draw([4, EOS], "stop"))
+        assert entered.wait(10)
+        source.cancel(future)
+        release.set()
+        assert future.result(timeout=10).status is Status.CANCELLED
+
+
+def test_close_cancels_what_is_pending_and_refuses_new_work(scripted):
+    server, _, source = scripted
+    futures = [source.submit(TASK, group=0, sample=s, attempt=0) for s in range(3)]
+    source.close()
+    assert [f.result(timeout=1).status for f in futures] == [Status.CANCELLED] * 3
+    assert all(r[3].cancelled() for r in server.requests)
+    assert not server.closed  # the server may be shared; its owner closes it
+    with pytest.raises(RuntimeError, match="PromptSource is closed"):
+        source.submit(TASK, group=0, sample=0, attempt=0)
+
+
+# ------------------------------------------------------------------ seeds and bad input
+
+
+def test_seeds_are_fixed_by_the_submission_identity(scripted):
+    server, _, source = scripted
+    for group, sample, attempt in [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 0)]:
+        source.submit(TASK, group=group, sample=sample, attempt=attempt)
+    seeds = [r[2] for r in server.requests]
+    assert seeds[0] == seeds[1] and len(set(seeds[1:])) == 4
+    assert all(0 <= s < 2**32 for s in seeds)
+    other = PromptSource(server, Recorder(), max_new_tokens=4, seed=1)
+    other.submit(TASK, group=0, sample=0, attempt=0)
+    assert server.requests[-1][2] != seeds[0]
+    other.close()
+
+
+def test_bad_tasks_and_settings_are_refused(scripted):
+    server, reward, source = scripted
+    with pytest.raises(TypeError, match="expected a sessions.Task"):
+        source.submit({"prompt": [1]}, group=0, sample=0, attempt=0)
+    with pytest.raises(ValueError, match="expected 'prompt' ids"):
+        source.submit(Task(1, {"ids": [1]}), group=0, sample=0, attempt=0)
+    with pytest.raises(TypeError, match=r"data\['ground_truth'\] is 3; expected a str"):
+        source.submit(Task(1, {"prompt": [1], "ground_truth": 3}), group=0, sample=0, attempt=0)
+    with pytest.raises(TypeError, match="prompt has dtype float"):
+        source.submit(Task(1, [1.0, 2.0]), group=0, sample=0, attempt=0)
+    with pytest.raises(ValueError, match="sample is -1"):
+        source.submit(TASK, group=0, sample=-1, attempt=0)
+    assert server.requests == []
+    with pytest.raises(TypeError, match="expected a RolloutServer"):
+        PromptSource(object(), reward, max_new_tokens=4)
+    with pytest.raises(TypeError, match="reward is 3"):
+        PromptSource(server, 3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        PromptSource(server, reward, max_new_tokens=0)
+    with pytest.raises(ValueError, match="workers is 0"):
+        PromptSource(server, reward, max_new_tokens=4, workers=0)
+
+
+def test_a_server_that_refuses_the_request_breaks_the_source():
+    class Closed(ScriptedServer):
+        def submit(self, prompt_ids, max_new_tokens, *, seed=None):
+            raise RuntimeError("the rollout server is closed")
+
+    with PromptSource(Closed(), Recorder(), max_new_tokens=4) as source:
+        with pytest.raises(RuntimeError, match="rollout server is closed"):
+            source.submit(TASK, group=0, sample=0, attempt=0)
+        assert source._pending == {}
+
+
+def test_prompt_source_is_exported_where_the_spec_names_it():
+    import dew_pipe.objectives.rl as rl
+
+    assert rl.PromptSource is PromptSource
+    assert join_ids(np.array([3, 14])) == "3 14"
+
+
+# ------------------------------------------------------------------ on the native server
+
+
+def test_prompt_rows_through_the_native_server():
+    model, variables = tiny_model(0)
+    served = bfloat16_model(model)
+    refs = greedy_references(served, jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables))
+    eos, probes = choose_eos(refs)
+    expected = [until_eos(refs[i], eos) for i in probes]
+    answers = [join_ids(ids[:-1] if ids[-1] in eos else ids) for ids in expected]
+    prompts = [PROBES[i] for i in probes]
+    width = max(map(len, prompts))
+    rows = {
+        "prompt": np.array([[0] * (width - len(p)) + p for p in prompts], np.int32),
+        "prompt_length": np.array([len(p) for p in prompts], np.int32),
+        "data_source": encode_text_column(["probe"] * 3),
+        "ground_truth": encode_text_column([answers[0], "wrong", answers[2]]),
+        "extra_info": encode_text_column(["", "", ""]),
+        "task_id": np.array([10, 11, 12]),
+    }
+    server = NativeRolloutServer(
+        Server.from_task(
+            ServeTask(model, variables, Sampling(eos_id=eos, temperature=0)),
+            slots=2,
+            capacity=24,
+            dtype=jnp.bfloat16,
+            steps_per_call=4,
+        )
+    )
+
+    def exact(data_source, completion, ground_truth, extra_info):
+        assert data_source == "probe"
+        return float(completion == ground_truth)
+
+    try:
+        with PromptSource(server, exact, max_new_tokens=8) as source:
+            tasks = prompt_tasks(rows)
+            futures = [
+                source.submit(task, group=g, sample=s, attempt=0)
+                for g, task in enumerate(tasks)
+                for s in range(2)
+            ]
+            sessions = [f.result(timeout=120) for f in futures]
+    finally:
+        server.close()
+    for k, session in enumerate(sessions):
+        i = k // 2
+        assert session.task == 10 + i and session.group == i and session.sample == k % 2
+        assert session.status is (Status.TRUNCATED if i == 2 else Status.COMPLETED)
+        assert session.reward == (0.0 if i == 1 else 1.0)
+        (call,) = session.calls
+        assert call.sampled_ids.tolist() == expected[i] and call.version == 0
+        assert call.finish_reason == ("length" if i == 2 else "stop")
+        np.testing.assert_array_equal(call.behavior_log_probs, 0.0)
+        assert call.log_probs is not None and np.all(call.log_probs < 0)
