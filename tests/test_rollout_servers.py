@@ -253,6 +253,32 @@ def test_a_full_queue_blocks_submit_until_a_row_takes_a_request(tiny):
         server.close()
 
 
+def test_submit_from_a_done_callback_never_waits_for_the_server_itself(tiny):
+    model, variables, _, _ = tiny
+    server = GatedServer(model, variables, SAMPLING, queue=1, **OPTIONS)
+    outcomes: list = []
+
+    def resubmit(future):  # runs on the server thread, which is the one that makes room
+        try:
+            outcomes.append(server.submit(P3, 2, seed=8))
+            outcomes.append(server.submit(P3, 2, seed=9))
+        except RuntimeError as error:
+            outcomes.append(error)
+
+    try:
+        first = server.submit(P3, 2, seed=7)  # needs one gated decode call to finish
+        first.add_done_callback(resubmit)
+        server.permits.release(100)
+        first.result(timeout=120)
+        wait_for(lambda: len(outcomes) == 2, what="the callback")
+        assert isinstance(outcomes[0], cf.Future)
+        assert isinstance(outcomes[1], RuntimeError) and "queue is full" in str(outcomes[1])
+        assert outcomes[0].result(timeout=120).sampled_ids.size == 2
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -21,6 +21,11 @@ seed it is the same whichever requests share the batch. What the thread does is 
 Failure and shutdown: `close` stops the thread, fails every unfinished future and joins
 the thread; an exception inside the thread fails every future and is raised (as the cause)
 by the next `submit` or `reload`.
+
+Measured on the shared 2-core CPU machine (a 4-layer, 128-wide decoder, prompts of 4 to 40
+ids, budgets of 16 to 64, warm compiles): 4 rows gave 2.6k ids/s at ``steps_per_call=1``
+(1.4 ms per step) and 6.1k ids/s at 8 (0.6 ms); 16 rows 3.3k and 4.8k ids/s. The gap is
+the host round trip of each call, which ``steps_per_call`` amortises.
 """
 
 from __future__ import annotations
@@ -76,7 +81,9 @@ class Server:
             decoder whose ``config`` has ``dtype``/``param_dtype`` computes in it. None:
             the model's compute dtype (``config.dtype``), so a float32 model is served in
             float32 and a bfloat16-compute model with bfloat16 weights.
-        queue: most requests waiting for a row; `submit` blocks while it is full.
+        queue: most requests waiting for a row; `submit` blocks while it is full, so a
+            producer that outruns the server waits instead of growing memory. The default
+            is far above what a scheduler keeps in flight (tasks x samples x ahead).
         steps_per_call: most decode steps one compiled call runs. 1 gives every step back
             to the host (the finest interleaving of joins and reloads); more saves the
             per-call dispatch, and the call still ends early when a row finishes while
@@ -249,6 +256,12 @@ class Server:
                 future.set_exception(ValueError(problem))
                 return future
             while len(self._waiting) >= self.queue:
+                if threading.current_thread() is self._thread:  # a draw's done callback
+                    raise RuntimeError(
+                        f"the rollout server's queue is full ({self.queue} requests) and "
+                        "submit was called from the server's own thread, which cannot wait "
+                        "for itself to make room"
+                    )
                 self._cond.wait()
                 self._check_open()
             if seed is None:
