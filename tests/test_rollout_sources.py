@@ -383,3 +383,59 @@ def test_prompt_rows_through_the_native_server():
         assert call.finish_reason == ("length" if i == 2 else "stop")
         np.testing.assert_array_equal(call.behavior_log_probs, 0.0)
         assert call.log_probs is not None and np.all(call.log_probs < 0)
+
+
+@pytest.mark.slow
+def test_the_scheduler_trains_on_prompt_source_sessions_and_pushes_to_the_native_server():
+    import itertools
+
+    import optax
+
+    from dew_pipe import Dataset, Trainer
+    from dew_pipe.objectives.rl import GRPOObjective, RolloutScheduler
+
+    model, variables = tiny_model(0)
+    objective = GRPOObjective(model, seq_len=15, pretrained=variables, behavior_importance=2.0)
+    server = NativeRolloutServer(
+        Server.from_task(
+            ServeTask(model, variables, Sampling(eos_id=2, temperature=1.0)), slots=8, capacity=16
+        )
+    )
+    source = PromptSource(
+        server, lambda ds, text, gt, extra: float(text.count(gt)), max_new_tokens=8
+    )
+    rows = {
+        "prompt": np.array([[0, 5, 9, 3], [7, 1, 4, 6]], np.int32),
+        "prompt_length": np.array([3, 4], np.int32),
+        "data_source": encode_text_column(["x", "x"]),
+        "ground_truth": encode_text_column(["7", "9"]),
+        "extra_info": encode_text_column(["", ""]),
+    }
+    data = Dataset(train=lambda p: itertools.repeat(rows), val=None, records=2, batch=2)
+    records = []
+    scheduler = RolloutScheduler(
+        objective,
+        source,
+        server,
+        width=16,
+        rows=8,
+        groups=4,
+        tasks=prompt_tasks,
+        truncation="score",
+        log=records.append,
+    )
+    try:
+        trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), rollout=scheduler)
+        state = trainer.fit(scheduler.tasks(data), steps=4, log_every=2)
+    finally:
+        scheduler.close()
+        source.close()
+        server.close()
+    counters = server.counters()
+    assert int(state.updates) == 4 and len(records) == 4
+    assert counters.reloads == sum(r.pushed for r in records) >= 3
+    assert counters.version == records[-1].served == 3
+    for record in records:
+        assert record.admitted_groups == 2 and record.admitted_sessions == 8
+        assert record.lag is not None and 0 <= record.lag <= 1
+    assert counters.finished >= 32
