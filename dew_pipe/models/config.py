@@ -19,6 +19,7 @@ import numpy as np
 __all__ = ["RopeScaling", "TransformerConfig"]
 
 _REMAT_TRUE = "nothing_saveable"
+_UNROLL_LAYERS = 8  # scan_layers=None unrolls up to this many blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,12 @@ class TransformerConfig:
             (save nothing), or the name of a ``jax.checkpoint_policies`` policy.
         scan_unroll: how many layers one iteration of the layer scan runs; parameters stay
             stacked either way, so this is a pure speed knob.
+        scan_layers: run the blocks under one ``lax.scan`` (True: one block is compiled
+            whatever the depth) or one after another (False: the backward pass reads each
+            layer's activations directly instead of through the scan's stacked buffers,
+            about 10% faster per step on the CPU backend, for a compile time that grows with
+            depth). ``None`` (default) scans above 8 layers and unrolls up to 8. Parameters
+            are stacked on a leading layer axis and initialized identically either way.
 
     Raises:
         ValueError / TypeError: a field with a bad value, named in the message.
@@ -166,6 +173,7 @@ class TransformerConfig:
     init_std: float = 0.02
     remat: bool | str = False
     scan_unroll: int = 1
+    scan_layers: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads"):
@@ -185,6 +193,8 @@ class TransformerConfig:
         for name in ("qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} is {getattr(self, name)!r}; expected a bool")
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            raise TypeError(f"scan_layers is {self.scan_layers!r}; expected None or a bool")
         object.__setattr__(self, "dtype", _float_dtype("dtype", self.dtype))
         object.__setattr__(self, "param_dtype", _float_dtype("param_dtype", self.param_dtype))
         remat_ok = isinstance(self.remat, bool) or (
@@ -217,6 +227,13 @@ class TransformerConfig:
             raise ValueError(f"head_dim is {head_dim}; rotary embeddings need an even head_dim")
         object.__setattr__(self, "num_kv_heads", int(kv))
         object.__setattr__(self, "head_dim", int(head_dim))
+
+    @property
+    def uses_layer_scan(self) -> bool:
+        """Whether the blocks run under ``lax.scan`` (``scan_layers``, resolved)."""
+        if self.scan_layers is None:
+            return self.num_layers > _UNROLL_LAYERS
+        return self.scan_layers
 
     @property
     def remat_policy(self) -> Any:

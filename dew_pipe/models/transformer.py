@@ -34,6 +34,8 @@ import numpy as np
 
 from dew_pipe.models import attention, checks
 from dew_pipe.models.config import TransformerConfig
+from dew_pipe.models.cross_entropy import head_cross_entropy
+from dew_pipe.models.self_attention import self_attend
 
 __all__ = ["CausalTransformer", "Cache"]
 
@@ -46,6 +48,35 @@ def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     out = jnp.dot(x.reshape(-1, x.shape[-1]), kernel.astype(x.dtype))
     return out.reshape(*lead, kernel.shape[-1])
+
+
+@jax.custom_vjp
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``, keeping only its two inputs for the backward pass.
+
+    Autodiff of the same expression keeps the sigmoid, the silu and partial products alive
+    until the backward pass (several ``[tokens, mlp_features]`` buffers per layer, the
+    largest activations of a small model); this computes both input gradients from
+    ``gate`` and ``up`` in one elementwise pass instead.
+    """
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return jax.nn.silu(gate) * up, (gate, up)
+
+
+def _swiglu_bwd(residuals: tuple[jax.Array, jax.Array], d_out: jax.Array):
+    gate, up = residuals
+    sig = jax.nn.sigmoid(gate.astype(jnp.float32))
+    g32 = gate.astype(jnp.float32)
+    d32 = d_out.astype(jnp.float32)
+    d_up = d32 * g32 * sig
+    d_gate = d32 * up.astype(jnp.float32) * sig * (1.0 + g32 * (1.0 - sig))
+    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class RMSNorm(nn.Module):
@@ -91,13 +122,16 @@ class Attention(nn.Module):
         cos, sin = context["cos"], context["sin"]
         q = attention.apply_rotary(q, cos, sin) * jnp.asarray(d**-0.5, q.dtype)
         k = attention.apply_rotary(k, cos, sin)
-        parts = [(k, v, context["mask"])]
-        if layer_cache is not None:  # a cache may be kept in another dtype than the compute
-            cached_k, cached_v = (c.astype(q.dtype) for c in layer_cache)
-            parts.insert(0, (cached_k, cached_v, context["cache_mask"]))
+        if layer_cache is None:
+            # The mask comes from causal_segment_mask: causal, so key blocks can be skipped.
+            out = self_attend(q, k, v, context["mask"], causal=True)
+            out = out.reshape(batch, length, H * d)
+            return _dense(out, o_w), None
+        # A cache may be kept in another dtype than the compute.
+        cached_k, cached_v = (c.astype(q.dtype) for c in layer_cache)
+        parts = [(cached_k, cached_v, context["cache_mask"]), (k, v, context["mask"])]
         out = attention.attend(q, parts).reshape(batch, length, H * d)
-        new_entries = None if layer_cache is None else (k, v)
-        return _dense(out, o_w), new_entries
+        return _dense(out, o_w), (k, v)
 
 
 class MLP(nn.Module):
@@ -113,7 +147,7 @@ class MLP(nn.Module):
         gate = self.param("gate", dense, (D, F), cfg.param_dtype)
         up = self.param("up", dense, (D, F), cfg.param_dtype)
         down = self.param("down", dense, (F, D), cfg.param_dtype)
-        return _dense(jax.nn.silu(_dense(x, gate)) * _dense(x, up), down)
+        return _dense(_swiglu(_dense(x, gate), _dense(x, up)), down)
 
 
 class Block(nn.Module):
@@ -238,16 +272,44 @@ class CausalTransformer(nn.Module):
             positions = _default_positions(tokens, positions, None)
             cos, sin = attention.rotary_angles(positions, inv_freq)
             context = dict(cos=cos, sin=sin, mask=attention.causal_segment_mask(segment_ids))
-            x, _ = self.layers(x, None, context)
+            x, _ = self._blocks(x, None, context)
             return self.final_norm(x)
         cache_index = checks.cache(cfg, cache, cache_index, tokens.shape)
         positions = _default_positions(tokens, positions, cache_index)
         cos, sin = attention.rotary_angles(positions, inv_freq)
         old, new = attention.cache_mask(cache["positions"], positions, segment_ids, cache_index)
         context = dict(cos=cos, sin=sin, mask=new, cache_mask=old)
-        x, (keys, values) = self.layers(x, (cache["key"], cache["value"]), context)
+        x, (keys, values) = self._blocks(x, (cache["key"], cache["value"]), context)
         cache = _write_cache(cache, keys, values, positions, segment_ids, cache_index)
         return self.final_norm(x), cache
+
+    def _blocks(
+        self, x: jax.Array, caches: tuple[jax.Array, jax.Array] | None, context: dict
+    ) -> tuple[jax.Array, Any]:
+        """Runs every block: under the layer scan, or one after another (``scan_layers``)."""
+        cfg = self.config
+        if cfg.uses_layer_scan or self.is_initializing():
+            return self.layers(x, caches, context)
+        # Same stacked parameters as the scan makes (and init always goes through the scan),
+        # each layer applied to its own slice: no stacked per-layer activations to write
+        # into and read back from, which is what the scan's backward pass needs.
+        stacked = self.variables["params"]["layers"]
+        block = Block(cfg, parent=None)  # unbound: applied to each slice explicitly
+
+        def layer(params: Any, x: jax.Array, layer_cache: Any) -> tuple[jax.Array, Any]:
+            return block.apply({"params": params}, x, layer_cache, context)
+
+        if cfg.remat_policy is not None:
+            layer = jax.checkpoint(layer, policy=cfg.remat_policy, prevent_cse=False)
+        entries = []
+        for index in range(cfg.num_layers):
+            params = jax.tree.map(lambda leaf, i=index: leaf[i], stacked)
+            layer_cache = None if caches is None else (caches[0][index], caches[1][index])
+            x, new = layer(params, x, layer_cache)
+            entries.append(new)
+        if caches is None:
+            return x, None
+        return x, tuple(jnp.stack(parts) for parts in zip(*entries, strict=True))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Output projection of final-normed ``hidden [..., D]`` to float32 logits ``[..., V]``."""
@@ -268,6 +330,37 @@ class CausalTransformer(nn.Module):
         else:
             out = jnp.dot(flat, self.lm_head.astype(cfg.dtype), preferred_element_type=jnp.float32)
         return out.astype(jnp.float32).reshape(*hidden.shape[:-1], cfg.vocab_size)
+
+    def cross_entropy(self, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Next-token loss of the head without materializing all logits for autodiff.
+
+        Equal to ``optax.softmax_cross_entropy_with_integer_labels(logits(hidden), targets)``
+        (float32 rounding aside), with a hand-written backward pass; see
+        `dew_pipe.models.cross_entropy`.
+
+        Args:
+            hidden: ``[..., D]`` final-normed hidden states (from ``features``).
+            targets: ``[...]`` integer ids in ``[0, vocab_size)``.
+
+        Returns:
+            ``(nll, correct)``: float32 ``[...]`` negative log-likelihoods and bool ``[...]``,
+            True where the target is the argmax of the logits.
+
+        Raises:
+            ValueError: for a hidden width other than ``emb_features`` or mismatched shapes.
+
+        Example:
+            >>> nll, correct = model.apply(v, hidden, targets, method="cross_entropy")  # doctest: +SKIP
+        """
+        cfg = self.config
+        hidden = jnp.asarray(hidden).astype(cfg.dtype)
+        if hidden.shape[-1] != cfg.emb_features:
+            raise ValueError(
+                f"hidden has shape {hidden.shape}; expected last axis emb_features={cfg.emb_features}"
+            )
+        if cfg.tie_embeddings:
+            return head_cross_entropy(hidden, self.embed, targets, transposed=True)
+        return head_cross_entropy(hidden, self.lm_head, targets)
 
     @nn.nowrap
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
