@@ -128,6 +128,10 @@ class LMObjective:
         self.loss_role = None if loss_role is None else int(loss_role)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
         self.vocab_size = getattr(config, "vocab_size", None)
+        # Models offering features + cross_entropy (CausalTransformer) get the fused loss.
+        self._fused = callable(getattr(model, "features", None)) and callable(
+            getattr(model, "cross_entropy", None)
+        )
         self.pretrained = None
         if pretrained is not None:
             self.pretrained = check_variables(pretrained, "pretrained")
@@ -226,8 +230,13 @@ class LMObjective:
         }
         if key is not None:
             kwargs["rngs"] = {"dropout": key}
-        logits = self.model.apply(params, text[:, :-1], **kwargs).astype(jnp.float32)
         targets = text[:, 1:]
+        if self._fused:
+            # features + the model's fused head/cross-entropy: no [B, L, V] logits for autodiff.
+            hidden = self.model.apply(params, text[:, :-1], method="features", **kwargs)
+            nll, correct = self.model.apply(params, hidden, targets, method="cross_entropy")
+            return nll, mask, correct
+        logits = self.model.apply(params, text[:, :-1], **kwargs).astype(jnp.float32)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         correct = jnp.argmax(logits, axis=-1) == targets
         return nll, mask, correct

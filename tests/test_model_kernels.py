@@ -1,0 +1,295 @@
+"""Hand-written backward passes of the decoder against autodiff and NumPy references.
+
+Covers `self_attend` (blocked causal attention), `head_cross_entropy` (fused LM head and
+softmax cross-entropy), the SwiGLU MLP's backward, the unrolled layer loop against the
+layer scan, and LMObjective's fused loss against the plain-logits loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew_pipe import LMObjective, models
+from dew_pipe.models import attention
+from dew_pipe.models.cross_entropy import head_cross_entropy
+from dew_pipe.models.self_attention import self_attend
+from dew_pipe.models.transformer import _swiglu
+
+# ---------------------------------------------------------------- attention
+
+B, S, H, K, D = 2, 16, 4, 2, 8
+
+
+def _qkv(seed, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, S, H, D)) * D**-0.5
+    k, v = rng.normal(size=(B, S, K, D)), rng.normal(size=(B, S, K, D))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+# Row 0: two documents then padding; row 1: left padding then one document.
+SEGMENTS = np.array([[1] * 6 + [2] * 7 + [0] * 3, [0] * 4 + [1] * 12], np.int32)
+REAL = SEGMENTS > 0
+
+
+def _numpy_attention(q, k, v, mask):
+    """Float64 reference with repeated K/V; rows that attend nothing average all values."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = np.repeat(k, H // K, axis=2), np.repeat(v, H // K, axis=2)
+    scores = np.einsum("bshd,bthd->bhst", q, k)
+    scores = np.where(mask[:, None], scores, -1e30)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhst,bthd->bshd", weights, v)
+
+
+@pytest.fixture(scope="module")
+def attention_grads():
+    """value_and_grad of a weighted sum of outputs over real rows, per implementation."""
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    weight = jnp.asarray(
+        np.random.default_rng(9).normal(size=(B, S, H, D)) * REAL[:, :, None, None]
+    )
+
+    def make(fn):
+        return jax.jit(
+            jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask) * weight), (0, 1, 2))
+        )
+
+    return mask, {
+        "autodiff": make(lambda q, k, v, m: attention.attend(q, [(k, v, m)])),
+        "blocks1": make(lambda q, k, v, m: self_attend(q, k, v, m)),
+        "blocks2": make(lambda q, k, v, m: self_attend(q, k, v, m, causal=True, blocks=2)),
+        "blocks4": make(lambda q, k, v, m: self_attend(q, k, v, m, causal=True, blocks=4)),
+    }
+
+
+def test_self_attend_forward_matches_numpy_on_real_rows():
+    q, k, v = _qkv(0)
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    want = _numpy_attention(q, k, v, np.asarray(mask))
+    run = jax.jit(self_attend, static_argnames=("causal", "blocks"))
+    for blocks in (1, 2, 4):
+        got = np.asarray(run(q, k, v, mask, causal=True, blocks=blocks))
+        np.testing.assert_allclose(got[REAL], want[REAL], atol=2e-6, rtol=1e-5)
+        assert np.isfinite(got).all()  # padding rows too
+    # Without blocking, rows that attend nothing match attend's uniform average as well.
+    np.testing.assert_allclose(np.asarray(run(q, k, v, mask)), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["blocks1", "blocks2", "blocks4"])
+def test_self_attend_gradients_match_autodiff(attention_grads, name):
+    _, fns = attention_grads
+    q, k, v = _qkv(1)
+    value, grads = fns[name](q, k, v)
+    want_value, want_grads = fns["autodiff"](q, k, v)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_self_attend_arbitrary_mask_and_plain_multi_head():
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(1, 8, 2, 4)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 8, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(1, 8, 2, 4)), jnp.float32)
+    mask = jnp.asarray(rng.random((1, 8, 8)) < 0.6)  # not causal: no blocking allowed
+
+    def loss(fn):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), (0, 1, 2)))(q, k, v)
+
+    got = loss(lambda q, k, v: self_attend(q, k, v, mask))
+    want = loss(lambda q, k, v: attention.attend(q, [(k, v, mask)]))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_self_attend_padding_rows_pass_no_score_gradient():
+    q, k, v = _qkv(4)
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    only_padding = jnp.asarray(~REAL, jnp.float32)[:, :, None, None]
+    grads = jax.jit(
+        jax.grad(
+            lambda q, k: jnp.sum(self_attend(q, k, v, mask, causal=True, blocks=4) * only_padding),
+            (0, 1),
+        )
+    )(q, k)
+    assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in grads)
+
+
+def test_self_attend_bfloat16_is_close_to_float32():
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    q, k, v = _qkv(5)
+    want = self_attend(q, k, v, mask, causal=True)
+    got = self_attend(*_qkv(5, jnp.bfloat16), mask, causal=True)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32)[REAL], np.asarray(want)[REAL], atol=0.05)
+
+
+def test_self_attend_rejects_blocks_that_do_not_divide():
+    q, k, v = _qkv(0)
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    with pytest.raises(
+        ValueError, match="blocks is 3; expected a positive divisor of the length 16"
+    ):
+        self_attend(q, k, v, mask, causal=True, blocks=3)
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+N, F, V = 12, 6, 10
+
+
+def _head(seed):
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.normal(size=(2, N // 2, F)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(F, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (2, N // 2)), jnp.int32)
+    return hidden, kernel, targets
+
+
+def test_head_cross_entropy_matches_numpy():
+    hidden, kernel, targets = _head(0)
+    logits = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
+    top = logits.max(-1, keepdims=True)
+    lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]
+    want = lse - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]
+    for chunk in (1 << 24, 3 * V, V):  # one chunk; 3 rows per chunk; 1 row per chunk
+        nll, correct = head_cross_entropy(hidden, kernel, targets, chunk_elements=chunk)
+        np.testing.assert_allclose(nll, want, rtol=1e-5)
+        np.testing.assert_array_equal(correct, logits.argmax(-1) == np.asarray(targets))
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 5 * V])  # 5 rows: 12 tokens padded to 15
+def test_head_cross_entropy_gradients_match_optax(chunk):
+    hidden, kernel, targets = _head(1)
+    weight = jnp.linspace(0.5, 1.5, N).reshape(2, N // 2)
+
+    def fused(h, w):
+        return jnp.sum(head_cross_entropy(h, w, targets, chunk_elements=chunk)[0] * weight)
+
+    def plain(h, w):
+        logits = jnp.einsum("bsf,fv->bsv", h, w)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weight)
+
+    got = jax.grad(fused, (0, 1))(hidden, kernel)
+    want = jax.grad(plain, (0, 1))(hidden, kernel)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_head_cross_entropy_tied_kernel_and_ties():
+    hidden, kernel, targets = _head(2)
+    table = kernel.T  # a tied embedding [V, F]
+    got = jax.value_and_grad(
+        lambda t: jnp.sum(head_cross_entropy(hidden, t, targets, transposed=True)[0])
+    )(table)
+    want = jax.value_and_grad(lambda t: jnp.sum(head_cross_entropy(hidden, t.T, targets)[0]))(table)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-6)
+    # All logits equal: argmax is the first id, so only target 0 counts as correct.
+    _, correct = head_cross_entropy(hidden, jnp.zeros_like(kernel), targets)
+    np.testing.assert_array_equal(correct, np.asarray(targets) == 0)
+
+
+def test_head_cross_entropy_rejects_mismatched_shapes():
+    hidden, kernel, targets = _head(0)
+    with pytest.raises(ValueError, match="expected hidden \\[..., D\\] and kernel \\[D, V\\]"):
+        head_cross_entropy(hidden, kernel.T, targets)
+    with pytest.raises(ValueError, match="targets has shape \\(2, 5\\)"):
+        head_cross_entropy(hidden, kernel, targets[:, :5])
+    with pytest.raises(ValueError, match="chunk_elements is 0"):
+        head_cross_entropy(hidden, kernel, targets, chunk_elements=0)
+
+
+def test_swiglu_backward_matches_autodiff():
+    rng = np.random.default_rng(6)
+    gate, up, d_out = (jnp.asarray(rng.normal(size=(5, 7)) * 3, jnp.float32) for _ in range(3))
+    got = jax.vjp(_swiglu, gate, up)[1](d_out)
+    want = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)[1](d_out)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the decoder
+
+CONFIG = dict(
+    vocab_size=32,
+    emb_features=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_features=24,
+    max_seq_len=16,
+)
+
+
+def test_scan_layers_resolves_and_is_checked():
+    assert not models.TransformerConfig(**CONFIG).uses_layer_scan
+    assert models.TransformerConfig(**dict(CONFIG, num_layers=9)).uses_layer_scan
+    assert models.TransformerConfig(**dict(CONFIG, scan_layers=True)).uses_layer_scan
+    with pytest.raises(TypeError, match="scan_layers is 'yes'; expected None or a bool"):
+        models.TransformerConfig(**dict(CONFIG, scan_layers="yes"))
+
+
+@pytest.fixture(scope="module")
+def lm_grads():
+    """Loss and gradients of LMObjective for the scanned and unrolled layer loops."""
+    rng = np.random.default_rng(7)
+    batch = {
+        "text": rng.integers(0, 32, (2, 13)).astype(np.int32),
+        "text_segment_ids": np.array([[1] * 7 + [2] * 5 + [0], [0] * 3 + [1] * 10], np.int32),
+    }
+    batch["text_positions"] = np.array(
+        [list(range(7)) + list(range(5)) + [0], [0] * 3 + list(range(10))], np.int32
+    )
+    out = {}
+    for name, options in (("scan", dict(scan_layers=True)), ("unrolled", {})):
+        model = models.build("causal_transformer", **CONFIG, **options)
+        objective = LMObjective(model, seq_len=12, ema_decay=None)
+        params = objective.init(jax.random.key(0))
+        grad = jax.jit(jax.value_and_grad(objective.loss, has_aux=True))
+        out[name] = (objective, params, grad(params, batch, jax.random.key(1)))
+    return batch, out
+
+
+def test_unrolled_layers_equal_the_scan(lm_grads):
+    _, out = lm_grads
+    (_, scan_params, ((loss, _), grads)) = out["scan"]
+    (_, unrolled_params, ((loss_u, _), grads_u)) = out["unrolled"]
+    # Initialization always runs through the scan, so both start from the same weights.
+    for a, b in zip(jax.tree.leaves(scan_params), jax.tree.leaves(unrolled_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(loss_u, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_u), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+class _LogitsOnly:
+    """The same decoder seen only through init/apply: LMObjective takes the logits path."""
+
+    def __init__(self, model):
+        self.config, self.init, self.apply = model.config, model.init, model.apply
+
+
+def test_fused_loss_equals_the_logits_loss(lm_grads):
+    batch, out = lm_grads
+    objective, params, ((loss, metrics), grads) = out["unrolled"]
+    plain = LMObjective(_LogitsOnly(objective.model), seq_len=12, ema_decay=None)
+    assert objective._fused and not plain._fused
+    (want, want_metrics), want_grads = jax.jit(jax.value_and_grad(plain.loss, has_aux=True))(
+        params, batch, jax.random.key(1)
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert float(metrics["tokens"]) == float(want_metrics["tokens"]) == 19.0  # 10 + 9 by hand
+    np.testing.assert_allclose(metrics["accuracy"], want_metrics["accuracy"])
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    sums = jax.jit(objective.evaluate)(params, batch)
+    want_sums = jax.jit(plain.evaluate)(params, batch)
+    for name in ("nll", "tokens", "correct"):
+        np.testing.assert_allclose(sums[name], want_sums[name], rtol=1e-6)
