@@ -3,6 +3,11 @@
 The top-level names resolve lazily (module ``__getattr__``), so ``import dew_pipe`` does
 not import JAX until one of them is used.
 
+Importing the package sets the process's host memory policy (`dew_pipe.host_memory`):
+glibc keeps freed memory for reuse, which spares XLA's CPU backend from faulting in its
+scratch memory on every call. Import dew_pipe before running JAX computations for it to
+take effect; ``DEW_PIPE_HOST_MEMORY=system`` keeps glibc's defaults.
+
 Example:
     >>> import dew_pipe
     >>> dew_pipe.Loading(workers=0, threads=1, read_buffer=2).read_buffer
@@ -13,6 +18,10 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from dew_pipe import host_memory as _host_memory
+
+_host_memory.apply_default()
 
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY: dict[str, tuple[str, str | None]] = {
