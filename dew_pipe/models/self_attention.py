@@ -195,10 +195,12 @@ def _contract_rows(small: jax.Array, scores: jax.Array) -> jax.Array:
 
     Written directly, the contraction runs over the first axis of both matrices, a form the
     CPU backend hands to a generic (Eigen) kernel at a third of the speed of its regular
-    matmul. Transposing the small ``[M, D]`` operand first (kept as its own array by the
-    barrier, so XLA cannot fold the transpose back into the contraction) makes it a plain
-    ``[D, M] x [M, T]`` product; only the small ``[D, T]`` result is transposed back.
+    matmul. Transposing the small ``[M, D]`` operand first makes it a plain
+    ``[D, M] x [M, T]`` product; only the small ``[D, T]`` result is transposed back. The
+    barriers keep both transposes as arrays of their own: without them XLA folds them back
+    into the contraction (the one on the result by swapping the operands), and the product
+    is the slow form again.
     """
     flipped = jax.lax.optimization_barrier(jnp.swapaxes(small, -1, -2))
     out = jnp.einsum("bkdm,bkmt->bkdt", flipped, scores, preferred_element_type=jnp.float32)
-    return jnp.swapaxes(out, -1, -2)
+    return jnp.swapaxes(jax.lax.optimization_barrier(out), -1, -2)
