@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import re
 
@@ -110,6 +112,12 @@ def test_one_digit_task_repeats_its_few_held_out_problems():
     test = task.records("test")
     assert len(test) == 100 and len({r["prompt"] for r in test}) < 40
     assert not {r["prompt"] for r in test} & {r["prompt"] for r in task.records("train", 500)}
+
+
+@pytest.mark.parametrize("module", ["problems", "arithmetic", "char_tokenizer", "recipe"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(f"dew_pipe.tasks.{module}"))
+    assert result.attempted > 0 and result.failed == 0
 
 
 # --- answer formats, checker and reward ---------------------------------------------------
