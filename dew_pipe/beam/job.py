@@ -1,0 +1,274 @@
+"""The offline pack job: files of sessions in, a folder of packed training batches out.
+
+``run_pack_job`` builds ``ReadSessions | PackSessions | WritePacked`` and runs it on a Beam
+runner; ``dew-pipe pack`` is its command line. The output folder holds one
+``packed-BBBBB-of-NNNNN.parquet`` per batch and ``manifest-*.parquet`` (see
+:mod:`dew_pipe.beam.packing` for what each holds and how it compares with ``pack``).
+
+**Runners.** ``"DirectRunner"`` (the default) runs on Beam's FnApiRunner in this process, or
+on ``workers`` local worker processes. Beam's own DirectRunner would first try the Prism
+runner, which downloads a binary from GitHub at run time and falls back to the FnApiRunner
+when it cannot; going to the FnApiRunner directly keeps the job offline and its start-up
+short. Any other name (``"PrismRunner"``, ``"FlinkRunner"``, ``"SparkRunner"``,
+``"DataflowRunner"``...) goes to Beam unchanged, with ``beam_args`` for its options.
+
+**Errors.** A bad argument or input pattern raises ValueError before anything runs. Bad data
+found while running raises :class:`SessionDataError` with the one-line message the worker
+raised (naming the file or batch and the session), whichever runner carried it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from dew_pipe import batches
+from dew_pipe.beam.packing import PackSessions, WritePacked
+from dew_pipe.beam.sources import METRICS_NAMESPACE, ReadSessions, SessionDataError
+
+__all__ = ["PackSummary", "read_manifest", "read_packed", "run_pack_job"]
+
+_OUTPUT_GLOBS = ("packed-*.parquet", "manifest-*.parquet")
+# How a SessionDataError raised in a worker appears in the text Beam carries back: as the
+# exception itself (in process, with " [while running 'step']" appended) or as the last
+# line of a formatted traceback (worker processes, remote runners).
+_MESSAGE = re.compile(r"SessionDataError: (.+?)(?: \[while running '[^']*'\])*$", re.MULTILINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSummary:
+    """What a pack job did, from the job's Beam counters.
+
+    Attributes:
+        sessions: sessions read.
+        groups: (task, group) groups.
+        trained: sessions that train (the others are in the manifest with ``trains`` false).
+        batches: packed files written.
+        rows: rows in all batches.
+        chains: chains placed.
+        tokens: real (non-padding) ids in all rows.
+        width: ids per row.
+        files: the packed files, in batch order.
+        seconds: wall time of the run.
+    """
+
+    sessions: int
+    groups: int
+    trained: int
+    batches: int
+    rows: int
+    chains: int
+    tokens: int
+    width: int
+    files: tuple[str, ...]
+    seconds: float
+
+    @property
+    def fill(self) -> float:
+        """Real ids over row capacity (``tokens / (rows * width)``); 0 without rows."""
+        return self.tokens / (self.rows * self.width) if self.rows else 0.0
+
+
+def run_pack_job(
+    inputs: str | Sequence[str],
+    output: str | Path,
+    *,
+    width: int,
+    rows: int | None = None,
+    groups_per_batch: int | None = None,
+    estimator: str = "group",
+    truncation: str = "mask",
+    support_capacity: int | None = None,
+    runner: str = "DirectRunner",
+    workers: int = 1,
+    beam_args: Sequence[str] = (),
+    overwrite: bool = False,
+) -> PackSummary:
+    """Pack recorded sessions into Parquet training batches with Apache Beam.
+
+    Args:
+        inputs: file patterns of sessions (``.jsonl`` / ``.parquet``; see
+            :class:`dew_pipe.beam.ReadSessions`).
+        output: folder for the packed files and the manifest; created if missing.
+        width, rows, groups_per_batch, estimator, truncation, support_capacity: as
+            :class:`dew_pipe.beam.PackSessions`.
+        runner: ``"DirectRunner"`` (local, see the module docstring) or any Beam runner name.
+        workers: local worker processes (DirectRunner); 1 runs in this process.
+        beam_args: further Beam pipeline options, e.g. ``["--temp_location=gs://b/tmp"]``.
+        overwrite: remove packed files and manifests of an earlier job in ``output`` first;
+            without it such files are an error.
+
+    Returns:
+        A :class:`PackSummary`.
+
+    Raises:
+        ValueError: a bad argument, a pattern matching no file, or an output folder holding
+            an earlier job's files.
+        SessionDataError: bad data found while running; names the file or batch and session.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> from dew_pipe.beam import session_to_json
+        >>> from dew_pipe.objectives.rl.sessions import Call, Session
+        >>> call = Call([5, 6], [7, 2], [-0.2, -0.1], "stop", version=3)
+        >>> folder = tempfile.mkdtemp()
+        >>> with open(os.path.join(folder, "s.jsonl"), "w") as f:
+        ...     for s in range(4):
+        ...         line = session_to_json(Session(0, 0, s, 0, [call], "COMPLETED", float(s)))
+        ...         _ = f.write(json.dumps(line) + "\\n")
+        >>> summary = run_pack_job(os.path.join(folder, "*.jsonl"), os.path.join(folder, "out"),
+        ...                        width=8)
+        >>> summary.sessions, summary.batches, summary.rows, round(summary.fill, 3)
+        (4, 1, 2, 1.0)
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    if not isinstance(runner, str) or not runner:
+        raise ValueError(f"runner: expected a Beam runner name, got {runner!r}")
+    transform = PackSessions(
+        width=width,
+        rows=rows,
+        groups_per_batch=groups_per_batch,
+        estimator=estimator,
+        truncation=truncation,
+        support_capacity=support_capacity,
+    )
+    read = ReadSessions(inputs)
+    output = str(output)
+    _prepare_output(output, overwrite)
+    options = PipelineOptions(
+        list(beam_args),
+        direct_num_workers=workers,
+        direct_running_mode="multi_processing" if workers > 1 else "in_memory",
+    )
+    pipeline = beam.Pipeline(runner=_runner(runner), options=options)
+    _ = pipeline | "ReadSessions" >> read | "PackSessions" >> transform | WritePacked(output)
+    start = time.perf_counter()
+    try:
+        result = pipeline.run()
+        state = result.wait_until_finish()
+    except Exception as error:
+        message = _data_error(error)
+        if message is None:
+            raise
+        raise SessionDataError(message) from error
+    if state is not None and str(state) not in ("DONE", "PipelineState.DONE"):
+        raise RuntimeError(f"the Beam job ended in state {state}, expected DONE")
+    seconds = time.perf_counter() - start
+    counters = _counters(result)
+    files = tuple(sorted(_match(FileSystems.join(output, "packed-*.parquet"))))
+    return PackSummary(
+        sessions=counters.get("sessions_read", 0),
+        groups=counters.get("groups", 0),
+        trained=counters.get("trained", 0),
+        batches=counters.get("batches", 0),
+        rows=counters.get("rows", 0),
+        chains=counters.get("chains", 0),
+        tokens=counters.get("tokens", 0),
+        width=int(width),
+        files=files,
+        seconds=seconds,
+    )
+
+
+def _runner(name: str) -> Any:
+    if name in ("DirectRunner", "FnApiRunner"):
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return FnApiRunner()
+    return name
+
+
+def _match(pattern: str) -> list[str]:
+    try:
+        return [m.path for m in FileSystems.match([pattern])[0].metadata_list]
+    except Exception:  # BeamIOError: nothing matches
+        return []
+
+
+def _prepare_output(output: str, overwrite: bool) -> None:
+    earlier = [p for g in _OUTPUT_GLOBS for p in _match(FileSystems.join(output, g))]
+    if earlier and not overwrite:
+        raise ValueError(
+            f"output: {output} already holds {len(earlier)} packed or manifest file(s) of an "
+            f"earlier job (e.g. {Path(earlier[0]).name}); pass overwrite=True (--overwrite) "
+            "or choose another folder"
+        )
+    if earlier:
+        FileSystems.delete(earlier)
+    if not FileSystems.exists(output):
+        FileSystems.mkdirs(output)
+
+
+def _data_error(error: BaseException) -> str | None:
+    """The message of the first SessionDataError in a Beam failure, or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        own = isinstance(error, SessionDataError)
+        text = f"SessionDataError: {error}" if own else str(error)
+        match = _MESSAGE.search(text)
+        if match:
+            return match.group(1)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _counters(result: Any) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    query = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))
+    for counter in query["counters"]:
+        value = counter.committed if counter.committed is not None else counter.attempted
+        name = counter.key.metric.name
+        totals[name] = totals.get(name, 0) + int(value or 0)
+    return totals
+
+
+def read_packed(path: str | Path) -> dict[str, np.ndarray]:
+    """One packed file of a pack job as the ``{name: array}`` batch the objectives read.
+
+    Raises:
+        ValueError: the file is not a packed-rows batch (names the column).
+
+    Example:
+        >>> import os, tempfile
+        >>> from dew_pipe.objectives.rl.sessions import Call, Session, pack
+        >>> call = Call([5, 6], [7, 2], [-0.2, -0.1], "stop", version=3)
+        >>> batch = pack([Session(0, 0, 0, 0, [call], "COMPLETED", 1.0)], 8, arrow=True)
+        >>> path = os.path.join(tempfile.mkdtemp(), "p.parquet")
+        >>> _ = batches.write_parquet(path, batch)
+        >>> read_packed(path)["input_ids"].tolist()
+        [[5, 6, 7, 2, 0, 0, 0, 0]]
+    """
+    table = batches.read_parquet(path)
+    columns = [column.combine_chunks() for column in table.columns]
+    return batches.packed_from_arrow(pa.RecordBatch.from_arrays(columns, schema=table.schema))
+
+
+def read_manifest(output: str | Path) -> pa.Table:
+    """The manifest of a pack job's output folder, one row per input session.
+
+    Rows are sorted by (batch, session_index). See ``dew_pipe.beam.MANIFEST_SCHEMA``.
+
+    Raises:
+        ValueError: the folder holds no manifest.
+    """
+    from dew_pipe.beam.packing import MANIFEST_SCHEMA
+
+    paths = sorted(_match(FileSystems.join(str(output), "manifest-*.parquet")))
+    if not paths:
+        raise ValueError(f"output: no manifest-*.parquet in {output}; not a pack job's output")
+    tables = [batches.read_parquet(p, schema=MANIFEST_SCHEMA) for p in paths]
+    table = pa.concat_tables(tables)
+    return table.sort_by([("batch", "ascending"), ("session_index", "ascending")])
