@@ -11,11 +11,16 @@ seconds).
 Exit status: 0 done, 1 the run failed, 2 nothing to run (bad file, setting or wiring),
 130 cancelled by Ctrl-C (a second Ctrl-C exits at once). Errors are one line on stderr;
 ``--debug`` adds the traceback.
+
+``pack`` (``dew-pipe pack --input PATTERN --output DIR --width W ...``) runs the offline
+Apache Beam pack job of :mod:`dew_pipe.beam` on recorded sessions. Exit status: 0 done, 1 bad
+data (the line names the session) or a failed job, 2 bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -25,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -89,7 +94,68 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the settings and the graph, run nothing"
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks")
+    _pack_parser(sub)
     return parser
+
+
+def _pack_parser(sub: Any) -> None:
+    pack = sub.add_parser(
+        "pack",
+        help="pack recorded sessions into Parquet training batches (Apache Beam)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Pack recorded sessions (.jsonl or .parquet of the sessions schema) into packed-row\n"
+            "training batches with an Apache Beam job: group by (task, group), compute\n"
+            "advantages, cut batches of --groups-per-batch groups in sorted key order, pack\n"
+            "each as dew_pipe's pack does. Writes OUTPUT/packed-BBBBB-of-NNNNN.parquet (one\n"
+            "training batch each) and OUTPUT/manifest-*.parquet (one row per session)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dew-pipe pack --input 'runs/x/sessions-*.parquet' --output packed --width 4096\n"
+            "  dew-pipe pack --input traces.jsonl --output packed --width 2048 --rows 64 \\\n"
+            "      --groups-per-batch 32 --estimator rloo --workers 2\n"
+            "exit status: 0 done, 1 bad data or a failed job, 2 bad arguments"
+        ),
+    )
+    add = pack.add_argument
+    add(
+        "--input",
+        dest="inputs",
+        action="append",
+        required=True,
+        metavar="PATTERN",
+        help="sessions files, globs allowed (repeatable)",
+    )
+    add("--output", required=True, metavar="DIR", help="folder for packed files and manifest")
+    add("--width", type=int, required=True, metavar="W", help="ids per row")
+    add("--rows", type=int, metavar="N", help="rows per batch (default: as many as needed)")
+    add(
+        "--groups-per-batch",
+        type=int,
+        metavar="G",
+        help="(task, group) groups per batch (default: all in one batch)",
+    )
+    add("--estimator", default="group", help="group (GRPO), mean (Dr.GRPO) or rloo")
+    add("--truncation", default="mask", help="TRUNCATED sessions: mask, score or zero")
+    add(
+        "--support-capacity",
+        type=int,
+        metavar="C",
+        help="support entries per row (when calls recorded supports)",
+    )
+    add("--runner", default="DirectRunner", help="Beam runner (default DirectRunner, local)")
+    add("--workers", type=int, default=1, help="local worker processes (default 1)")
+    add(
+        "--beam-arg",
+        dest="beam_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="a Beam pipeline option, e.g. --beam-arg=--temp_location=gs://b/t (repeatable)",
+    )
+    add("--overwrite", action="store_true", help="replace an earlier job's files in DIR")
+    add("--debug", action="store_true", help="show tracebacks and Beam's logs")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return _run(args)
+        return _pack(args) if args.command == "pack" else _run(args)
     except _Exit as e:
         if args.debug and e.cause is not None:
             traceback.print_exception(e.cause)
@@ -194,6 +260,73 @@ def _build(entry: Any, overrides: list[str], path: Path) -> tuple[Any, dict[str,
             EXIT_USAGE,
         )
     return target, config
+
+
+# ---------------------------------------------------------------------------- pack
+
+
+def _pack(args: argparse.Namespace) -> int:
+    """``dew-pipe pack``: run dew_pipe.beam.run_pack_job and print what it did."""
+    import logging
+
+    beam_args = list(args.beam_args)
+    quiet = contextlib.nullcontext() if args.debug else _stderr_discarded()
+    if not args.debug:  # Beam logs every worker failure with its stack; the one line says it
+        logging.getLogger().setLevel(logging.ERROR)
+        logging.getLogger("apache_beam").setLevel(logging.CRITICAL)
+        beam_args.append("--default_sdk_harness_log_level=CRITICAL")
+    from dew_pipe.beam import SessionDataError, run_pack_job
+
+    try:
+        with quiet:
+            s = run_pack_job(
+                args.inputs,
+                args.output,
+                width=args.width,
+                rows=args.rows,
+                groups_per_batch=args.groups_per_batch,
+                estimator=args.estimator,
+                truncation=args.truncation,
+                support_capacity=args.support_capacity,
+                runner=args.runner,
+                workers=args.workers,
+                beam_args=beam_args,
+                overwrite=args.overwrite,
+            )
+    except SessionDataError as e:
+        raise _Exit(str(e), EXIT_FAILED, e) from e
+    except ValueError as e:
+        raise _Exit(str(e), EXIT_USAGE, e) from e
+    except Exception as e:  # the runner failed for another reason: its last line says why
+        lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        raise _Exit(f"pack job failed: {lines[-1].strip()}", EXIT_FAILED, e) from e
+    print(
+        f"dew-pipe: packed {s.sessions} sessions of {s.groups} groups ({s.trained} train, "
+        f"{s.sessions - s.trained} do not: see the manifest) into {s.batches} batches, "
+        f"{s.rows} rows x {s.width} ({s.fill:.1%} real ids), in {s.seconds:.1f} s; "
+        f"output {args.output}"
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _stderr_discarded() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null, for this process and the workers it starts.
+
+    Beam's worker processes log to the stderr they inherit (their start-up, and every
+    failure with its stack); the command reports the outcome in one line instead.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    sink = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(sink, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(sink)
 
 
 # ---------------------------------------------------------------------------- running
