@@ -7,8 +7,9 @@
                │ └──── orders ─────┘ └──────┴─ handovers, weights (feedback) ─┘
 
 The same stages, wired by the same :func:`dew_pipe.stages.wire`, make up
-``RolloutScheduler``; here the update stage owns the TrainState and runs
-``Trainer.train_step`` itself instead of handing batches to ``Trainer.fit``.
+``RolloutScheduler``; here :func:`dew_pipe.stages.grpo_pipeline` builds the graph, whose
+update stage owns the TrainState and runs ``Trainer.train_step`` itself instead of handing
+batches to ``Trainer.fit``.
 
 The toy task needs nothing downloaded: prompts are random ids, and the reward is the share
 of sampled ids equal to the task's target id (its ``ground_truth``). ``ToySource`` samples
@@ -17,7 +18,7 @@ overlaps the update; it leaves sessions unscored and the reward stage scores the
 completion that ends on EOS is COMPLETED, one that uses its whole budget TRUNCATED (and
 scored, ``truncation="score"``). Reward climbs from about ``1 / vocab`` in a few dozen
 updates. Larger jobs (the embedded arithmetic task) swap in a real server and source and
-keep the rest of :func:`grpo_pipeline`.
+keep the rest of :func:`~dew_pipe.stages.grpo_pipeline` (``pipelines/arithmetic.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from dew_pipe.stages import Pack, Rescore, Reward, Rollout, TaskBatches, Update, wire
+from dew_pipe.stages import TaskBatches, grpo_pipeline
 from dew_pipe.stages.messages import SchedulerRecord
 
 from dew_pipe import Dataset, Trainer, models
@@ -186,62 +187,6 @@ def toy_prompts(batch: int, prompt_len: int, vocab: int, target: int, seed: int)
             }
 
     return Dataset(train=train, val=None, records=None, batch=batch)
-
-
-def grpo_pipeline(
-    *,
-    tasks: TaskBatches,
-    source: Any,
-    weights: Any,
-    trainer: Trainer,
-    score: Callable[[Task, Session], float] | None,
-    width: int,
-    rows: int,
-    groups: int,
-    steps: int,
-    max_lag: int = 1,
-    ahead: int = 1,
-    sync_every: int = 1,
-    oversample: int = 0,
-    timeout: float | None = None,
-    truncation: str = "mask",
-    reward_workers: int = 2,
-    log: Callable[[int, dict[str, float], SchedulerRecord | None], None] | None = None,
-) -> Pipeline:
-    """The asynchronous GRPO graph around any source, publisher and trainer.
-
-    Returns:
-      A pipeline that trains ``steps`` updates and ends; the update stage's ``state``
-      holds the final TrainState.
-
-    Raises:
-      ValueError: ``max_lag`` below ``ahead + sync_every - 1``.
-    """
-    if max_lag < ahead + sync_every - 1:
-        raise ValueError(
-            f"max_lag={max_lag}; expected at least ahead + sync_every - 1 = "
-            f"{ahead + sync_every - 1}"
-        )
-    objective = trainer.objective
-    p = Pipeline("grpo_async")
-    p.add(tasks)
-    p.add(
-        Rollout(
-            source, groups=groups, oversample=oversample, ahead=ahead, max_lag=max_lag,
-            timeout=timeout, version=lambda: weights.version, owns_source=True,
-        )
-    )  # fmt: skip
-    p.add(Reward(score, workers=reward_workers))
-    p.add(Pack(width=width, rows=rows, groups=groups, max_lag=max_lag, truncation=truncation))
-    p.add(Rescore(jax.jit(objective.packed_log_probs), width=width))
-    p.add(
-        Update(
-            width=width, weights=weights, sync_every=sync_every, trainer=trainer, steps=steps,
-            log=log,
-        )
-    )  # fmt: skip
-    wire(p, ahead=ahead, reward_workers=reward_workers)
-    return p
 
 
 class GRPOJob:

@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "wire": "dew_pipe.stages.graph",
     "TaskBatches": "dew_pipe.stages.graph",
     "task_batch": "dew_pipe.stages.graph",
+    "grpo_pipeline": "dew_pipe.stages.graph",
     "RolloutScheduler": "dew_pipe.stages.scheduler",
     "SchedulerRecord": "dew_pipe.stages.messages",
     "SESSION_ROWS": "dew_pipe.stages.messages",

@@ -11,9 +11,10 @@
                                   └ rescore ◄─ params (feedback) ◄ update
 
 Both views build it with :func:`wire`: ``RolloutScheduler`` with an ``Inlet`` of trainer
-steps into ``update`` and an ``Outlet`` of handed batches out of it, a pipeline file
-(``pipelines/grpo_async.py``) with a ``Source`` of task batches and an ``Update`` that
-runs the trainer's step itself.
+steps into ``update`` and an ``Outlet`` of handed batches out of it, and
+:func:`grpo_pipeline` (used by ``pipelines/grpo_async.py`` and the arithmetic job of
+:mod:`dew_pipe.tasks.job`) with a ``Source`` of task batches and an ``Update`` that runs the
+trainer's step itself.
 
 Why lag stays bounded: rollout takes task batch ``j`` only once update has handed over
 batch ``j - ahead``, and submits it under the version served then, which a push keeps
@@ -24,18 +25,18 @@ trains, whatever the queue capacities below.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.messages import task_row
+from dew_pipe.stages.messages import SchedulerRecord, task_row
 
 from dew_pipe.batches import TASKS_SCHEMA, tasks_to_arrow
 from dew_pipe.data.dataset import Dataset, Partition
 from dew_pipe.flow import Pipeline, Source
 from dew_pipe.objectives.rl.task_rows import task_ids
 
-__all__ = ["TaskBatches", "task_batch", "wire"]
+__all__ = ["TaskBatches", "grpo_pipeline", "task_batch", "wire"]
 
 # Session batches between rollout, reward and pack: rollout emits one batch per wake-up
 # (every session finished since the last), so 8 absorbs a burst while reward is busy;
@@ -168,3 +169,101 @@ class TaskBatches(Source):
                     close()
             if empty:
                 raise ValueError("Dataset.train yielded no batches; expected at least one")
+
+
+def grpo_pipeline(
+    *,
+    tasks: Source,
+    source: Any,
+    weights: Any,
+    trainer: Any,
+    score: Callable[[Any, Any], float] | None,
+    width: int,
+    rows: int,
+    groups: int,
+    steps: int,
+    max_lag: int = 1,
+    ahead: int = 1,
+    sync_every: int = 1,
+    oversample: int = 0,
+    timeout: float | None = None,
+    truncation: str = "mask",
+    estimator: str = "group",
+    max_attempts: int = 3,
+    reward_workers: int = 2,
+    log: Callable[[int, dict[str, float], SchedulerRecord | None], None] | None = None,
+    name: str = "grpo_async",
+) -> Pipeline:
+    """The asynchronous GRPO graph around any source, publisher and trainer.
+
+    tasks → rollout → reward → pack → rescore → update, wired by :func:`wire`; the update
+    stage owns the ``TrainState`` (``pipeline.stages["update"].state``; set it before the run
+    to start from a given state, else ``trainer.initial_state()``) and runs
+    ``trainer.train_step`` ``steps`` times, then ends, which ends the pipeline.
+
+    Args:
+      tasks: the stage of task batches (a :class:`TaskBatches`, named "tasks").
+      source: the SessionSource rollout submits to (closed by rollout when the run ends).
+      weights: the publisher the source samples from (``load(params, version)``,
+        ``version``), e.g. a ``NativeRolloutServer``.
+      trainer: the ``dew_pipe.Trainer`` whose ``train_step`` runs each update; its
+        objective's ``packed_log_probs`` rescores every batch.
+      score: ``score(task, session)`` for a source that leaves sessions unscored; None
+        trusts the source's rewards (``PromptSource`` scores its own).
+      width, rows, groups, max_lag, ahead, sync_every, oversample, timeout, truncation,
+      estimator, max_attempts: as :class:`~dew_pipe.stages.scheduler.RolloutScheduler`.
+      steps: updates to train.
+      reward_workers: the reward stage's threads.
+      log: ``log(step, metrics, record)`` after each update (see ``Update``).
+      name: the pipeline's name.
+
+    Returns:
+      The pipeline (run it with ``pipeline.run()`` or ``RunContext.run_pipeline``).
+
+    Raises:
+      ValueError: ``max_lag`` below ``ahead + sync_every - 1``, and the stages' own checks.
+
+    Example (a sketch; ``pipelines/grpo_async.py`` runs a complete one)::
+
+        p = grpo_pipeline(tasks=TaskBatches(data, prompt_tasks), source=source,
+                          weights=server, trainer=trainer, score=None, width=16, rows=32,
+                          groups=8, steps=100, truncation="zero")
+        p.stages["update"].state = trainer.initial_state()
+        p.run()
+    """
+    import jax
+    from dew_pipe.stages.pack import Pack
+    from dew_pipe.stages.rescore import Rescore
+    from dew_pipe.stages.reward import Reward
+    from dew_pipe.stages.rollout import Rollout
+    from dew_pipe.stages.update import Update
+
+    if max_lag < ahead + sync_every - 1:
+        raise ValueError(
+            f"max_lag={max_lag}; expected at least ahead + sync_every - 1 = "
+            f"{ahead + sync_every - 1}"
+        )
+    p = Pipeline(name)
+    p.add(tasks)
+    p.add(
+        Rollout(
+            source, groups=groups, oversample=oversample, ahead=ahead, max_lag=max_lag,
+            timeout=timeout, version=lambda: weights.version, owns_source=True,
+        )
+    )  # fmt: skip
+    p.add(Reward(score, workers=reward_workers))
+    p.add(
+        Pack(
+            width=width, rows=rows, groups=groups, max_lag=max_lag, max_attempts=max_attempts,
+            truncation=truncation, estimator=estimator,
+        )
+    )  # fmt: skip
+    p.add(Rescore(jax.jit(trainer.objective.packed_log_probs), width=width))
+    p.add(
+        Update(
+            width=width, weights=weights, sync_every=sync_every, trainer=trainer, steps=steps,
+            log=log,
+        )
+    )  # fmt: skip
+    wire(p, ahead=ahead, reward_workers=reward_workers)
+    return p
