@@ -125,6 +125,7 @@ def train_sft(
     progress: bool | None = None,
     run_dir: str | None = None,
     rollout: Callable[..., Any] | None = None,
+    log_every: int | None = None,
 ) -> tuple[Any, TrainState]:
     """Supervised fine-tuning of a fresh decoder on ``task`` with ``recipe``.
 
@@ -136,6 +137,7 @@ def train_sft(
         rollout: a host hook ``batch = rollout(state, batch, key)`` passed to the Trainer
             (for example a probe that evaluates ``state.params`` now and then and returns
             the batch unchanged).
+        log_every: steps between training records (default: a tenth of the steps).
 
     Returns:
         ``(model, state)``; ``state.params`` is the fine-tuned ``{"params": ...}``.
@@ -157,4 +159,5 @@ def train_sft(
         rollout=rollout,
     )
     data = task.sft_dataset(recipe.batch, recipe.seq_len)
-    return model, trainer.fit(data, steps=recipe.steps, log_every=max(1, recipe.steps // 10))
+    log_every = max(1, recipe.steps // 10) if log_every is None else log_every
+    return model, trainer.fit(data, steps=recipe.steps, log_every=log_every)

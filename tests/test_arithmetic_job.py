@@ -1,0 +1,208 @@
+"""The embedded default job (pipelines/arithmetic.py, dew_pipe.tasks.job) at tiny settings.
+
+One smoke run goes through the command exactly as the README runs it (a subprocess of
+``dew-pipe run``), with a few SFT steps and GRPO updates: the run directory must hold the
+metrics of both phases, a valid PNG and a summary whose figures match the printed lines and
+the recorded probes. Bad settings end with exit status 2 and a one-line message naming the
+setting. A cancelled run (the context's cancel event, as Ctrl-C sets it) stops inside GRPO
+with the rollout server closed and every thread it started joined.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import io
+import json
+import re
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipelines" / "arithmetic.py"
+TINY = {
+    "sft_steps": 40,
+    "eval_every": 20,
+    "grpo_steps": 4,
+    "grpo_eval_every": 2,
+    "prompts": 4,
+    "groups": 4,
+    "slots": 16,
+    "test_size": 100,
+    "sample_probe": 50,
+}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).with_name("dew-pipe")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dew_pipe.cli"]
+
+
+def _run(run_dir: Path, settings: dict[str, object]) -> subprocess.CompletedProcess:
+    args = [*_command(), "run", str(PIPELINE), "--run-dir", str(run_dir)]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={value}"]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _percent(text: str, label: str) -> float:
+    found = re.findall(rf"^held-out exact match {label} GRPO: (\d+\.\d)%$", text, re.M)
+    assert found, f"no line 'held-out exact match {label} GRPO: X%' in:\n{text}"
+    return float(found[-1])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory):
+    run_dir = tmp_path_factory.mktemp("arithmetic") / "run"
+    done = _run(run_dir, TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, done.stdout
+
+
+@pytest.mark.slow
+def test_the_job_runs_sft_then_grpo_and_reports_both_accuracies(smoke):
+    run_dir, out = smoke
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    values = [r for r in records if r["kind"] == "values"]
+    sft = [r for r in values if r.get("phase") == "sft"]
+    grpo = [r for r in values if r.get("phase") == "grpo"]
+    # SFT: losses, and probes at steps 0, 20 and the end (held-out and sampled reward).
+    assert [r["step"] for r in sft if "held_out" in r] == [0, 20, 40]
+    assert all("sampled_reward" in r for r in sft if "held_out" in r)
+    assert any("loss" in r for r in sft)
+    # GRPO: one record per update with the batch's reward and lag, probes every 2 updates.
+    updates = [r for r in grpo if "loss" in r]
+    assert [r["step"] for r in updates] == [1, 2, 3, 4]
+    assert all(0.0 <= r["reward"] <= 1.0 and r["lag"] in (0, 1) for r in updates)
+    assert [r["step"] for r in grpo if "held_out" in r] == [0, 2, 4]
+    assert any(r["kind"] == "flow" for r in records)  # the GRPO pipeline's counters
+    # The printed figures are the summary's, which are the first and last probes (on all
+    # 100 test problems, so whole percents).
+    before, after = _percent(out, "before"), _percent(out, "after")
+    assert before == round(100 * summary["before"], 1) and after == round(100 * summary["after"], 1)
+    probes = [r["held_out"] for r in values if "held_out" in r]
+    assert summary["before"] == sft[-1]["held_out"] and summary["after"] == probes[-1]
+    assert round(100 * summary["before"]) == 100 * summary["before"]
+    assert summary["settings"]["grpo_steps"] == 4 and summary["wall_s"] > 0
+    assert re.search(r"^wall time: \d+ s \(SFT \d+ s, GRPO \d+ s", out, re.M)
+    assert f"run directory: {run_dir}" in out
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "done"
+    assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_plot_is_a_png_of_the_expected_size(smoke):
+    run_dir, _ = smoke
+    data = (run_dir / "progress.png").read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1000, 800)
+    assert len(data) > 20_000  # two panels with lines and text, not an empty canvas
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("groups=1", "groups is 1; expected an int >= 2"),
+        ("aggregation=sum", "aggregation is 'sum'; expected one of"),
+        ("max_lag=0", "max_lag is 0 with ahead=1"),
+        ("digits=three", "digits"),
+        ("learning_rate=0", "learning_rate is 0.0; expected a float > 0"),
+    ],
+)
+def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path, setting, message):
+    key, value = setting.split("=")
+    done = _run(tmp_path / "run", {key: value})
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dew-pipe: ") and message in lines[0]
+
+
+def test_unknown_setting_is_refused(tmp_path):
+    done = _run(tmp_path / "run", {"grpo_step": 3})
+    assert done.returncode == 2 and "grpo_step" in done.stderr
+
+
+@pytest.mark.slow
+def test_cancelling_inside_grpo_closes_the_server_and_joins_every_thread(tmp_path):
+    from rich.console import Console
+
+    from dew_pipe.flow import Cancelled, MetricsWriter, RunContext
+    from dew_pipe.flow.display import Display
+    from dew_pipe.tasks.job import ArithmeticJob, JobSettings
+
+    settings = {**TINY, "sft_steps": 20, "eval_every": 100, "grpo_steps": 50, "sample_probe": 0}
+    job = ArithmeticJob(JobSettings(**settings))
+    cancel = threading.Event()
+    console = Console(file=io.StringIO())
+    before = set(threading.enumerate())
+    updates: list[int] = []
+    on_update = job._on_update
+
+    def stop_after_two(pipeline, model, step, metrics, record):
+        on_update(pipeline, model, step, metrics, record)
+        updates.append(step)
+        if step == 1:
+            cancel.set()  # what Ctrl-C does in dew-pipe run
+
+    job._on_update = stop_after_two
+    with MetricsWriter(tmp_path / "metrics.jsonl") as metrics:
+        context = RunContext(tmp_path, {}, metrics, Display(console, live=False), cancel)
+        with pytest.raises(Cancelled):
+            job.run(context)
+    assert 2 <= len(updates) < 50
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == [], f"threads still running: {[t.name for t in left]}"
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("module", ["job", "plot"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(f"dew_pipe.tasks.{module}"))
+    assert result.attempted > 0 and result.failed == 0
+
+
+def _values(path: Path, rows: list[dict]) -> Path:
+    lines = [json.dumps({"kind": "flow", "stages": {}})]
+    lines += [json.dumps({"kind": "values", **row}) for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plot_run_draws_any_run_directory_again(tmp_path):
+    from dew_pipe.tasks.plot import plot_run, read_values
+
+    rows = [{"phase": "sft", "step": s, "elapsed": 1.0 + s, "held_out": s / 10} for s in range(5)]
+    rows += [{"phase": "sft", "step": 4, "elapsed": 5.0, "loss": 0.3, "sampled_reward": 0.2}]
+    rows += [
+        {"phase": "grpo", "step": u, "elapsed": 6.0 + u, "reward": 0.5 + u / 100, "lag": 1}
+        for u in range(1, 31)
+    ]
+    rows += [{"phase": "grpo", "step": 30, "elapsed": 37.0, "held_out": 0.6}]
+    rows += [{"phase": "final", "before": 0.4, "after": 0.6}]
+    metrics = _values(tmp_path / "metrics.jsonl", rows)
+    assert len(read_values(metrics)) == len(rows)  # the flow record is left out
+    out = plot_run(metrics, tmp_path / "p.png")
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    # A run with no GRPO yet (cancelled during SFT) still draws, with an empty lower panel.
+    early = _values(tmp_path / "early.jsonl", rows[:6])
+    assert plot_run(early, tmp_path / "early.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plot_run_refuses_files_it_cannot_read(tmp_path):
+    from dew_pipe.tasks.plot import plot_run, read_values
+
+    with pytest.raises(ValueError, match="no values records of phase 'sft' or 'grpo'"):
+        plot_run(_values(tmp_path / "other.jsonl", [{"loss": 1.0}]), tmp_path / "x.png")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"kind": "values", "phase": "sft"}\n{not json\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        read_values(broken)
+    assert not (tmp_path / "x.png").exists()
