@@ -45,7 +45,7 @@ from dew_pipe.stages.update import Update, _served
 
 from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow
 from dew_pipe.data.dataset import Dataset, Partition
-from dew_pipe.flow import EndOfStream, FlowError, Inlet, Outlet, Pipeline
+from dew_pipe.flow import EndOfStream, FlowError, FlowSnapshot, Inlet, Outlet, Pipeline
 from dew_pipe.objectives.rl.advantages import ESTIMATORS
 from dew_pipe.objectives.rl.packing import TRUNCATIONS
 from dew_pipe.objectives.rl.sessions import SessionSource, Task
@@ -371,6 +371,21 @@ class RolloutScheduler:
         out.update({f"resubmitted/{k}": float(v) for k, v in record.resubmitted.items()})
         out.update({k: float(v) for k, v in record.metrics.items()})
         return out
+
+    def snapshot(self) -> FlowSnapshot | None:
+        """Counters of the running pipeline: per stage (busy and waiting seconds, items) and
+        per edge (items, depth, seconds its producer waited for room and its consumer waited
+        for an item); None when no pipeline runs (before the first handover, after
+        ``close``). A new stream (another ``fit``) starts a new pipeline with fresh counters.
+
+        Example (a sketch: after ``trainer.fit(scheduler.tasks(data), ...)``)::
+
+            snapshot = scheduler.snapshot()
+            snapshot.edges["update.batches->batches.in"].get_wait_s  # the Trainer's wait
+            snapshot.stages["rescore"].busy_s
+        """
+        parts = self._parts
+        return None if parts is None else parts.run.snapshot()
 
     def _put(self, inlet: Inlet, item: Any) -> None:
         try:

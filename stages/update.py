@@ -8,8 +8,8 @@ For each batch ``i`` the stage
    more, then fails the run;
 2. announces the handover (``Handover(i, version, served)``) to rollout, which may then
    submit batches up to ``i + ahead``, and to pack, which checks lag against ``version``;
-3. sends the live weights to rescore (``Proximal``), and waits for batch ``i``, packed and
-   rescored, with its record;
+3. waits for batch ``i``, packed and rescored (under the live weights it sent to rescore
+   as ``Proximal`` before step 1, so rescoring overlaps the push), with its record;
 4. hands the batch on.
 
 Two drivers differ only in step 4 and in where the weights come from:
@@ -215,12 +215,15 @@ class Update(Stage):
         self, ctx: StageContext, index: int, version: int, params: Any
     ) -> tuple[pa.RecordBatch, SchedulerRecord | None] | None:
         """Publish, hand over, wait for the batch: ``(rows, record)``, None at end of stream."""
+        # Rescoring needs only the trainer's weights, so it may run during the push (which
+        # mostly waits for the server to reach a step boundary); the handover must follow
+        # the push, since rollout submits the next batch under the version it announces.
+        ctx.put("params", Proximal(index, version, params))
         if self.weights is None:
             served, pushed, push_s = version, False, 0.0
         else:
             served, pushed, push_s = publish(self.weights, params, version, self.sync_every)
         ctx.put("handover", Handover(index, version, served, pushed))
-        ctx.put("params", Proximal(index, version, params))
         start = time.monotonic()
         rows = self._next(ctx, "rows")
         if rows is None:

@@ -167,6 +167,28 @@ def test_rescoring_uses_the_weights_of_the_handover():
         assert not np.allclose(batch["old_log_probs"][mask], batch["behavior_log_probs"][mask])
 
 
+def test_snapshot_reports_the_running_pipelines_edges_and_stages():
+    weights = FakeWeights()
+    source = FakeSource(weights, lambda s: Outcome(delay=0.001))
+    with scheduler(source, weights, ahead=1, max_lag=1) as s:
+        assert s.snapshot() is None  # nothing runs before the first handover
+        drive(s, task_data(4, 2), steps=3)
+        snapshot = s.snapshot()
+    source.close()
+    assert s.snapshot() is None  # closed
+    edges = snapshot.edges
+    # Three batches were handed over, and rollout took the fourth (ahead=1) at the last one.
+    assert edges["update.batches->batches.in"].items == 3
+    assert edges["trainer.out->update.trainer"].items == 3
+    assert edges["tasks.out->rollout.tasks"].items == 4
+    assert edges["pack.rows->rescore.rows"].items == 3
+    sessions = edges["rollout.sessions->reward.in"].items
+    assert sessions >= 1 and edges["reward.out->pack.sessions"].items == sessions
+    assert all(e.put_wait_s >= 0 and e.get_wait_s >= 0 for e in edges.values())
+    assert {"rollout", "reward", "pack", "rescore", "update"} <= set(snapshot.stages)
+    assert snapshot.stages["rescore"].items_in >= 6  # a batch and its weights per handover
+
+
 def test_sampling_supports_reach_the_packed_batch():
     weights = FakeWeights()
     source = FakeSource(weights, lambda s: Outcome(sampled=3, support=True))

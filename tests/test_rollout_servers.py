@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -279,6 +280,81 @@ def test_submit_from_a_done_callback_never_waits_for_the_server_itself(tiny):
         server.close()
 
 
+# ------------------------------------------------------------------ gathering a burst
+
+
+def gated_with(tiny, **options):
+    model, variables, _, _ = tiny
+    return GatedServer(model, variables, SAMPLING, **{**OPTIONS, **options})
+
+
+def test_an_idle_server_gathers_a_burst_into_one_prefill(tiny):
+    server = gated_with(tiny, gather_s=60.0)
+    try:
+        first = [server.submit(p, 3, seed=s) for s, p in enumerate((P1, P2, P3))]
+        threading.Event().wait(0.3)  # far less than the window: nothing may start
+        assert server.counters().prefills == 0 and server.parked == 0
+        last = server.submit(P2, 3, seed=3)  # the fourth request fills every free row
+        wait_for(lambda: server.parked == 1, what="the burst to start")
+        counters = server.counters()
+        assert (counters.prefills, counters.joined, counters.active) == (1, 4, 4)
+        server.permits.release(100)
+        for future in (*first, last):
+            assert future.result(timeout=120).sampled_ids.size == 3
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
+def test_the_window_starts_a_partial_burst_once_the_oldest_request_waited_it(tiny):
+    server = gated_with(tiny, gather_s=0.4)
+    try:
+        start = threading.Event()
+        submitted = cf.Future()
+
+        def late():  # a second request 0.1 s into the first one's window
+            start.wait()
+            threading.Event().wait(0.1)
+            submitted.set_result(server.submit(P2, 2, seed=1))
+
+        helper = threading.Thread(target=late)
+        helper.start()
+        began = time.monotonic()
+        early = server.submit(P1, 2, seed=0)
+        start.set()
+        wait_for(lambda: server.parked == 1, what="the window to end")
+        waited = time.monotonic() - began
+        helper.join()
+        counters = server.counters()
+        assert waited >= 0.4 and (counters.prefills, counters.joined) == (1, 2)
+        server.permits.release(100)
+        assert early.result(timeout=120).sampled_ids.size == 2
+        assert submitted.result().result(timeout=120).sampled_ids.size == 2
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
+def test_a_busy_server_never_waits_for_a_window(tiny):
+    server = gated_with(tiny, gather_s=60.0)
+    try:
+        # Four requests fill the rows and start at once; one of them ends after one call.
+        running = [server.submit(P1, 6, seed=s) for s in range(3)]
+        running.append(server.submit(P2, 2, seed=3))
+        wait_for(lambda: server.parked == 1, what="the first call")
+        joiner = server.submit(P3, 2, seed=9)  # joins the freed row, not after 60 s
+        server.permits.release(1)
+        wait_for(lambda: server.parked == 2, what="the second call")
+        counters = server.counters()
+        assert (counters.prefills, counters.joined_mid_flight, counters.active) == (2, 1, 4)
+        server.permits.release(100)
+        for future in (*running, joiner):
+            future.result(timeout=120)
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -313,6 +389,8 @@ def test_bad_requests_fail_their_future_or_raise(server):
         (dict(buckets=(8, 4)), ValueError, "buckets is"),
         (dict(sampling=Sampling(eos_id=40)), ValueError, "vocab_size=32"),
         (dict(sampling="greedy"), TypeError, "expected a dew_pipe.sampling.Sampling"),
+        (dict(gather_s=-0.5), ValueError, "gather_s is -0.5"),
+        (dict(gather_s=float("nan")), ValueError, "gather_s is nan"),
     ],
 )
 def test_bad_options_are_refused_before_any_thread_starts(tiny, options, error, match):

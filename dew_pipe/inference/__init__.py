@@ -18,6 +18,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Draw": ("dew_pipe.inference.rollout", "Draw"),
     "RolloutServer": ("dew_pipe.inference.rollout", "RolloutServer"),
     "NativeRolloutServer": ("dew_pipe.inference.native", "NativeRolloutServer"),
+    "ProcessRolloutServer": ("dew_pipe.inference.process_server", "ProcessRolloutServer"),
     "Server": ("dew_pipe.inference.server", "Server"),
     "ServerCounters": ("dew_pipe.inference.server_records", "ServerCounters"),
     "ServeTask": ("dew_pipe.inference.server_setup", "ServeTask"),

@@ -8,7 +8,8 @@ in a bounded queue; between two decode calls the server thread
 2. releases the rows of cancelled draws;
 3. starts waiting requests in free rows (`dew_pipe.inference.serving.prefill`: one
    compiled shape per bucket of joining requests and prompt width, running rows
-   untouched);
+   untouched); an idle server may first wait up to ``gather_s`` for more requests, so a
+   burst submitted one request at a time starts in one prefill;
 4. advances every busy row by up to ``steps_per_call`` ids in one compiled call of a fixed
    shape (`dew_pipe.inference.serving.advance`), stopping early once a row finishes while
    requests wait, so a finished row is handed on at once.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -98,6 +100,13 @@ class Server:
         device: where the weights, the cache and the decoding run (default: JAX's first
             device). Everything the server holds is committed to it, so each compiled
             function keeps one compile.
+        gather_s: seconds an idle server waits, from the arrival of the oldest waiting
+            request, for more requests before it starts them (it starts at once when they
+            fill every free row). A scheduler submits a task batch one request at a time;
+            without a window the first few start alone and the rest join one decode call
+            later, so the batch takes ``steps_per_call`` more steps and prefills in more
+            shapes. 0 (default) starts at once. A busy server never waits: requests join
+            at the next call.
 
     Raises:
         TypeError / ValueError: a bad option, named with what was expected.
@@ -126,8 +135,15 @@ class Server:
         seed: int = 0,
         pad_id: int = 0,
         device: jax.Device | None = None,
+        gather_s: float = 0.0,
     ) -> None:
         sampling = Sampling() if sampling is None else sampling
+        if (
+            isinstance(gather_s, bool)
+            or not isinstance(gather_s, int | float)
+            or not 0 <= gather_s < float("inf")
+        ):
+            raise ValueError(f"gather_s is {gather_s!r}; expected seconds >= 0")
         options = check_options(
             model,
             sampling,
@@ -146,6 +162,7 @@ class Server:
         self.record_support = bool(record_support)
         self.buckets = prompt_buckets(buckets, self.capacity)
         self.pad_id = options["pad_id"]
+        self.gather_s = float(gather_s)
         self.dtype = dtype
         self._vocab = int(self.model.config.vocab_size)
         self._eos = np.asarray(sampling.eos_ids, np.int32)
@@ -267,6 +284,7 @@ class Server:
             if seed is None:
                 seed = int(self._seeds.integers(_SEED_LIMIT))
             request = Request(future, prompt, budget, int(seed), self._version)
+            request.arrived = time.monotonic()
             self._waiting.append(request)
             self._cond.notify_all()
         future.add_done_callback(self._on_done)
@@ -394,9 +412,11 @@ class Server:
                 self._drop_cancelled()
                 free = [r for r, req in enumerate(self._rows) if req is None]
                 busy = len(free) < self.slots
-                if self._reload is not None or busy or (self._waiting and free):
+                if self._reload is not None or busy:
                     break
-                self._cond.wait()
+                if self._waiting and self._gathered(len(free)):
+                    break
+                self._cond.wait(self._gather_left())
             reload, self._reload = self._reload, None
             # Joining requests take their rows now, so a failure from here on finds them.
             joining = []
@@ -412,6 +432,19 @@ class Server:
         if any(req is not None for req in self._rows):
             self._advance()
         return True
+
+    def _gather_left(self) -> float | None:
+        """Seconds left of the oldest waiting request's window (None: nothing to time)."""
+        if not self._waiting or self.gather_s <= 0:
+            return None
+        return max(0.0, self._waiting[0].arrived + self.gather_s - time.monotonic())
+
+    def _gathered(self, free: int) -> bool:
+        """Whether an idle server starts its waiting requests now (called under the lock)."""
+        if len(self._waiting) >= free:
+            return True
+        left = self._gather_left()
+        return left is None or left <= 0
 
     def _drop_cancelled(self) -> None:
         """Forgets cancelled requests, queued or decoding (a freed row is reused at once)."""

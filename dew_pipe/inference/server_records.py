@@ -63,6 +63,7 @@ class Request:
     behavior: list[np.ndarray] = dataclasses.field(default_factory=list)
     support: list[np.ndarray] = dataclasses.field(default_factory=list)
     count: int = 0
+    arrived: float = 0.0  # time.monotonic() at submission (the gather window counts from it)
 
     def record(self, version: int, ids, log_probs, behavior, support) -> None:
         self.version = version if self.version is None else min(self.version, version)

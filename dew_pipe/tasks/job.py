@@ -247,7 +247,7 @@ class ArithmeticJob:
         sft_s = time.monotonic() - start
         probe = self._probe("sft", s.sft_steps, model, params, sampled=True)
         before = probe["held_out"]
-        context.print(f"held-out exact match before GRPO: {before:.1%} (after {sft_s:.0f} s)")
+        context.print(f"SFT done in {sft_s:.0f} s: held-out exact match {before:.1%}; now GRPO")
         grpo_start = time.monotonic()
         context.log(step=0, phase="grpo", **probe)  # GRPO's update 0 is SFT's end
         params = self._grpo(model, params)

@@ -156,8 +156,8 @@ def _mark_ends(ax: Any, records: list[Mapping[str, Any]], held: np.ndarray) -> N
     if sft_end.size and isinstance(result.get("before"), int | float):
         x, y = sft_end[-1]
         ax.annotate(
-            f"before GRPO {100 * result['before']:.1f}%", (x, 100 * y), xytext=(-10, -28),
-            textcoords="offset points", ha="right", fontsize=9, bbox=_LABEL,
+            f"before GRPO {100 * result['before']:.1f}%", (x, 100 * y), xytext=(8, -40),
+            textcoords="offset points", ha="left", fontsize=9, bbox=_LABEL,
             arrowprops={"arrowstyle": "-", "color": "gray"},
         )  # fmt: skip
     if isinstance(result.get("after"), int | float):

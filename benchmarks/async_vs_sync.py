@@ -1,0 +1,496 @@
+"""Asynchronous GRPO through RolloutScheduler against a synchronous loop, same work.
+
+Workload (the same in every mode): the story decoder of ``tests/story_prelude.py`` (2
+layers, width 128, vocabulary 1024; trained here on story openings, with room for ``P + R``
+positions), GRPO on story prefixes of 24 to ``P`` ids (left padded to ``P``), ``G``
+completions of ``R`` new ids per prompt at temperature 1 with top-k 40, the spec's "dog"
+reward on the decoded text, ``B`` prompts per step, ``GRPOObjective(behavior_importance=2.0)``
+and AdamW. No EOS is drawn, so every completion uses its whole budget and every step does
+the same work; truncated completions train on their reward (``truncation="score"``).
+
+Modes, each a fresh worker process (XLA sizes its thread pool to the cores a process may
+use when JAX starts, so each mode gets the pool it is meant to have):
+
+- ``sync-2core``: ``Trainer(rollout=SampledRollout)``: generate, then update, in one process
+  on both cores (a two-thread XLA pool for whichever phase runs).
+- ``sync-1core``: the same, pinned to core 0.
+- ``sync-pipeline``: ``RolloutScheduler(ahead=0, max_lag=0)`` with the server process of
+  ``async``: the pipeline's own work (engine, rescoring, packing) without overlap.
+- ``async``: ``RolloutScheduler(ahead=1, max_lag=1)``. The trainer process is pinned to core
+  0; the rollout server runs in its own process pinned to core 1
+  (``ProcessRolloutServer(cpus={1})``); each has a one-thread XLA pool, as two devices would.
+
+Optional modes (``--modes``), for the record: ``async-inprocess`` (the scheduler with the
+in-process ``NativeRolloutServer``, one process on both cores, so rollout and update share
+one XLA pool) and ``async-unpinned`` (``async`` with neither process pinned).
+
+Each worker compiles with ``--warmup`` steps, then times ``--steps`` more steps of
+``Trainer.fit``. It reports wall seconds, CPU seconds of the trainer process (and of the
+server process), and for the pipeline modes the per-edge queue waits and the per-stage busy
+time of the scheduler's pipeline (``RolloutScheduler.snapshot()``) over the timed steps.
+Rounds rotate the order of the modes; the summary takes medians. The headline ratio is, per
+round, the faster of ``sync-2core`` and ``sync-1core`` over ``async``.
+
+Usage::
+
+    /work/venv/bin/python benchmarks/async_vs_sync.py              # the RESULTS.md table
+    /work/venv/bin/python benchmarks/async_vs_sync.py --rounds 1 --steps 6 --modes async
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("sync-2core", "sync-1core", "sync-pipeline", "async")
+EXTRA = ("async-inprocess", "async-unpinned")
+TRAINER_CPU, SERVER_CPU = 0, 1
+SYNC = ("sync-2core", "sync-1core")
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=16, help="timed GRPO steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compiles)")
+    parser.add_argument("--prompts", type=int, default=16, help="B, prompts per step")
+    parser.add_argument("--groups", type=int, default=8, help="G, completions per prompt")
+    parser.add_argument("--prompt-len", type=int, default=64, help="P, prompt width")
+    parser.add_argument("--new-tokens", type=int, default=24, help="R, ids per completion")
+    parser.add_argument("--steps-per-call", type=int, default=8, help="server decode steps")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--quiet", type=float, default=0.5, help="wait for other processes to use fewer cores"
+    )
+    parser.add_argument("--max-wait", type=float, default=120.0, help="most seconds to wait")
+    parser.add_argument(
+        "--attempts", type=int, default=1, help="runs of a worker while the machine was busy"
+    )
+    parser.add_argument("--worker", choices=MODES + EXTRA, help=argparse.SUPPRESS)
+    parser.add_argument("--weights", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(args.modes) - set(MODES + EXTRA))
+    if unknown:
+        parser.error(f"--modes has {unknown}; expected names among {list(MODES + EXTRA)}")
+    return args
+
+
+# ---------------------------------------------------------------------- the workload
+
+
+def prelude(args: argparse.Namespace, path: Path) -> None:
+    """Train the story decoder with room for P + R positions; pickle it to ``path``."""
+    import jax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from story_prelude import story_decoder
+
+    from dew_pipe.data.stories import story_tokenizer
+
+    width = args.prompt_len + args.new_tokens
+    tokenizer = story_tokenizer()
+    # Openings of 57 ids (every generated story is longer); later positions are untrained,
+    # which changes what is sampled there but not what a step costs.
+    decoder = story_decoder(tokenizer, seq_len=56, config={"max_seq_len": width})
+    variables = jax.device_get(decoder.lm_state.params)
+    path.write_bytes(pickle.dumps({"config": decoder.model.config, "variables": variables}))
+
+
+def prompt_rows(tokenizer, args: argparse.Namespace, count: int = 512) -> list[dict]:
+    """``count // B`` Prompts batches of story prefixes, 24 to P ids, left padded to P."""
+    import numpy as np
+
+    from dew_pipe.data.stories import generate_stories
+    from dew_pipe.data.text_columns import encode_text_column
+
+    draw = np.random.default_rng(1)
+    width, batch = args.prompt_len, args.prompts
+    prefixes = []
+    for story in generate_stories(count, seed=7):
+        ids = tokenizer.encode(story)
+        prefixes.append(ids[: int(draw.integers(min(24, width), width + 1))])
+    batches = []
+    for start in range(0, count - batch + 1, batch):
+        chunk = prefixes[start : start + batch]
+        prompt = np.zeros((batch, width), np.int32)
+        for row, ids in enumerate(chunk):
+            prompt[row, width - len(ids) :] = ids
+        batches.append(
+            {
+                "prompt": prompt,
+                "prompt_length": np.array([len(ids) for ids in chunk], np.int32),
+                "data_source": encode_text_column(["stories"] * batch),
+                "ground_truth": encode_text_column(["dog"] * batch),
+                "extra_info": encode_text_column([""] * batch),
+                "task_id": np.arange(start, start + batch, dtype=np.int64),
+            }
+        )
+    return batches
+
+
+def reward(data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
+    """The spec's GRPO example reward: does the completion mention the ground truth."""
+    return float(ground_truth in completion)
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+def process_cpu(pid: int | str = "self") -> float:
+    """CPU seconds process ``pid`` has used so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> float:
+    """CPU seconds all processes have used so far, over every core (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def runqueue_wait(pid: int | str = "self") -> float:
+    """Seconds the threads of ``pid`` have been runnable but waiting for a core."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except OSError:  # a thread that just ended
+            continue
+    return total / 1e9
+
+
+class Probe:
+    """What a timed run used: wall, CPU of this process and the server process, the cores
+    other processes used meanwhile, and how long our threads waited for a core."""
+
+    def __init__(self, child: int | None = None) -> None:
+        self.child = child
+        self.start = (
+            time.perf_counter(),
+            process_cpu(),
+            None if child is None else process_cpu(child),
+            machine_busy(),
+            runqueue_wait(),
+            None if child is None else runqueue_wait(child),
+        )
+
+    def stop(self) -> dict:
+        wall0, cpu0, child0, busy0, wait0, child_wait0 = self.start
+        wall = time.perf_counter() - wall0
+        out = {
+            "wall_s": wall,
+            "cpu_s": process_cpu() - cpu0,
+            "runqueue_s": runqueue_wait() - wait0,
+        }
+        ours = out["cpu_s"]
+        if self.child is not None:
+            out["server_cpu_s"] = process_cpu(self.child) - child0
+            out["server_runqueue_s"] = runqueue_wait(self.child) - child_wait0
+            ours += out["server_cpu_s"]
+        out["others_cores"] = max(0.0, (machine_busy() - busy0 - ours) / wall)
+        return out
+
+
+def others_now(seconds: float = 2.0) -> float:
+    """Cores other processes keep busy, sampled over ``seconds`` while we run nothing."""
+    busy, mine = machine_busy(), process_cpu()
+    time.sleep(seconds)
+    return max(0.0, (machine_busy() - busy - (process_cpu() - mine)) / seconds)
+
+
+class TimedRollout:
+    """Wraps the synchronous rollout hook: seconds waiting for the last update, and rolling out."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.update_wait, self.rollout = inner, [], []
+
+    def __call__(self, state, batch, key):
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(state.params)
+        ready = time.perf_counter()
+        out = self.inner(state, batch, key)
+        self.update_wait.append(ready - start)
+        self.rollout.append(time.perf_counter() - ready)
+        return out
+
+    def metrics(self):
+        return self.inner.metrics()
+
+
+# ---------------------------------------------------------------------- a worker
+
+
+def worker(args: argparse.Namespace) -> dict:
+    mode = args.worker
+    pinned = mode not in ("sync-2core", "async-inprocess", "async-unpinned")
+    os.sched_setaffinity(0, {TRAINER_CPU} if pinned else {0, 1})  # before JAX starts
+
+    import itertools
+
+    import jax
+    import optax
+
+    from dew_pipe import Dataset, Sampling, Trainer, models
+    from dew_pipe.data.stories import story_tokenizer
+    from dew_pipe.objectives.rl import GRPOObjective, SampledRollout
+
+    saved = pickle.loads(Path(args.weights).read_bytes())
+    model = models.build("causal_transformer", **vars(saved["config"]))
+    variables = saved["variables"]
+    tokenizer = story_tokenizer()
+    batches = prompt_rows(tokenizer, args)
+    data = Dataset(
+        train=lambda partition: itertools.cycle(batches),
+        val=None,
+        records=len(batches) * args.prompts,
+        batch=args.prompts,
+    )
+    width = args.prompt_len + args.new_tokens
+    objective = GRPOObjective(
+        model, seq_len=width - 1, pretrained=variables, behavior_importance=2.0
+    )
+    sampling = Sampling(temperature=1.0, top_k=40)
+    trainer_of = lambda rollout: Trainer(  # noqa: E731
+        objective, optax.adamw(1e-4), key=jax.random.key(0), rollout=rollout, progress=False
+    )
+    out: dict = {"mode": mode, "cores": sorted(os.sched_getaffinity(0))}
+    if mode in SYNC:
+        rollout = TimedRollout(
+            SampledRollout(
+                objective,
+                reward,
+                groups=args.groups,
+                max_new_tokens=args.new_tokens,
+                sampling=sampling,
+                decode=tokenizer.decode,
+            )
+        )
+        trainer = trainer_of(rollout)
+        state = trainer.fit(data, steps=args.warmup, log_every=args.warmup)
+        del rollout.update_wait[:], rollout.rollout[:]
+        probe = Probe()
+        state = trainer.fit(data, steps=args.warmup + args.steps, state=state, log_every=1000)
+        jax.block_until_ready(state)
+        out.update(probe.stop())
+        out["rollout_s"] = statistics.median(rollout.rollout)
+        out["reward_mean"] = rollout.metrics().get("reward/mean")
+        return out
+    out.update(pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data))
+    return out
+
+
+def serving(args: argparse.Namespace, mode: str, model, variables, sampling):
+    """The rollout server of a pipeline mode (in a child process, or in this one)."""
+    from dew_pipe.inference import NativeRolloutServer, ProcessRolloutServer, Server, ServeTask
+
+    task = ServeTask(model, variables, sampling)
+    options = dict(
+        slots=args.prompts * args.groups,  # one task batch fills the rows
+        capacity=args.prompt_len + args.new_tokens,
+        steps_per_call=args.steps_per_call,
+        buckets=(args.prompt_len,),  # one prefill width: prompts are left padded to P
+        gather_s=0.25,  # a batch's B * G submissions start in one prefill (they fill the rows)
+    )
+    if mode == "async-inprocess":
+        return NativeRolloutServer(Server.from_task(task, **options))
+    cpus = None if mode == "async-unpinned" else {SERVER_CPU}
+    return ProcessRolloutServer(task, cpus=cpus, **options)
+
+
+def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> dict:
+    """The RolloutScheduler modes; returns times, CPU, waits, edges and stages."""
+    import jax
+
+    from dew_pipe.inference import ProcessRolloutServer, PromptSource
+    from dew_pipe.objectives.rl import RolloutScheduler, prompt_tasks
+
+    ahead = 0 if mode == "sync-pipeline" else 1
+    server = serving(args, mode, objective.model, objective.pretrained, sampling)
+    source = PromptSource(
+        server, reward, decode=tokenizer.decode, max_new_tokens=args.new_tokens, workers=2
+    )
+    records = []
+    scheduler = RolloutScheduler(
+        objective,
+        source,
+        server,
+        width=args.prompt_len + args.new_tokens,
+        rows=args.prompts * args.groups,
+        groups=args.groups,
+        tasks=prompt_tasks,
+        max_lag=ahead,
+        ahead=ahead,
+        truncation="score",
+        log=records.append,
+    )
+    child = server.pid if isinstance(server, ProcessRolloutServer) else None
+    out: dict = {"server_cores": None if child is None else server.info["cpus"]}
+    try:
+        trainer = trainer_of(scheduler)
+        stream = scheduler.tasks(data)
+        state = trainer.fit(stream, steps=args.warmup, log_every=args.warmup)
+        del records[:]
+        probe = Probe(child)
+        state = trainer.fit(stream, steps=args.warmup + args.steps, state=state, log_every=1000)
+        jax.block_until_ready(state)
+        out.update(probe.stop())
+        snapshot = scheduler.snapshot()  # the timed fit's pipeline (a new stream, new counters)
+    finally:
+        scheduler.close()
+        source.close()
+        server.close()
+    out["waited_s"] = statistics.median(r.waited_s for r in records[1:])
+    out["push_s"] = statistics.median(r.push_s for r in records)
+    out["lag_max"] = max(r.lag for r in records)
+    out["latency_p50_s"] = statistics.median(r.metrics["latency/p50"] for r in records)
+    out["reward_mean"] = statistics.fmean(r.metrics["reward/mean"] for r in records)
+    out["edges"] = {
+        name: {"items": e.items, "put_wait_s": e.put_wait_s, "get_wait_s": e.get_wait_s}
+        for name, e in snapshot.edges.items()
+    }
+    out["stages"] = {name: {"busy_s": s.busy_s} for name, s in snapshot.stages.items()}
+    return out
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+def run_worker(mode: str, args: argparse.Namespace, weights: Path) -> dict:
+    """One worker run; run again (up to ``--attempts`` in all) while other processes kept
+    more than ``--quiet`` cores busy during it, keeping the quietest."""
+    runs = []
+    for _ in range(args.attempts):
+        runs.append(attempt(mode, args, weights))
+        if runs[-1]["others_cores"] <= args.quiet:
+            break
+    best = min(runs, key=lambda r: r["others_cores"])
+    best["attempts"] = len(runs)
+    return best
+
+
+def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
+    command = [
+        sys.executable, __file__, "--worker", mode, "--weights", str(weights),
+        "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--prompts", str(args.prompts), "--groups", str(args.groups),
+        "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+        "--steps-per-call", str(args.steps_per_call),
+    ]  # fmt: skip
+    others, waited = others_now(), 0.0
+    while others > args.quiet and waited < args.max_wait:  # let a neighbour's burst pass
+        time.sleep(8.0)
+        others, waited = others_now(), waited + 10.0
+    load = os.getloadavg()[0]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"worker {mode} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["load_before"] = load
+    result["others_before"] = others
+    return result
+
+
+def median_of(results: list[dict], key: str) -> float | None:
+    values = [r[key] for r in results if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summary(results: list[list[dict]], args: argparse.Namespace) -> None:
+    steps = args.steps
+    by_mode = {m: [r for rs in results for r in rs if r["mode"] == m] for m in args.modes}
+    print(
+        "\n| mode | s/step median (per round) | trainer CPU s/step | server CPU s/step "
+        "| waited for a core s/step | other processes, cores |"
+    )
+    print("|---|---|---:|---:|---:|---|")
+    for mode, runs in by_mode.items():
+        walls = ", ".join(f"{r['wall_s'] / steps:.3f}" for r in runs)
+        cpu = median_of(runs, "cpu_s") / steps
+        server = median_of(runs, "server_cpu_s")
+        server_text = "-" if server is None else f"{server / steps:.3f}"
+        starved = median_of(runs, "runqueue_s") + (median_of(runs, "server_runqueue_s") or 0.0)
+        others = ", ".join(f"{r['others_cores']:.2f}" for r in runs)
+        wall = median_of(runs, "wall_s") / steps
+        print(
+            f"| {mode} | {wall:.3f} ({walls}) | {cpu:.3f} | {server_text} "
+            f"| {starved / steps:.3f} | {others} |"
+        )
+    ratios = {m: [] for m in (*SYNC, "stronger", "sync-pipeline")}
+    for round_results in results:
+        times = {r["mode"]: r["wall_s"] for r in round_results}
+        if "async" not in times:
+            continue
+        for mode in (*SYNC, "sync-pipeline"):
+            if mode in times:
+                ratios[mode].append(times[mode] / times["async"])
+        syncs = [times[m] for m in SYNC if m in times]
+        if syncs:
+            ratios["stronger"].append(min(syncs) / times["async"])
+    for name, values in ratios.items():
+        if values:
+            text = ", ".join(f"{v:.2f}" for v in values)
+            print(f"{name} / async: median {statistics.median(values):.2f}x ({text})")
+    for mode in ("async", "sync-pipeline", "async-inprocess", "async-unpinned"):
+        runs = by_mode.get(mode)
+        if not runs:
+            continue
+        print(f"\n{mode}: per-edge queue waits, ms per step (median over rounds)")
+        print("| edge | items/step | consumer waited | producer waited |")
+        print("|---|---:|---:|---:|")
+        for edge in runs[0]["edges"]:
+            items = statistics.median(r["edges"][edge]["items"] for r in runs) / steps
+            get = statistics.median(r["edges"][edge]["get_wait_s"] for r in runs) / steps
+            put = statistics.median(r["edges"][edge]["put_wait_s"] for r in runs) / steps
+            print(f"| {edge} | {items:.2f} | {get * 1e3:.0f} | {put * 1e3:.0f} |")
+        busy = {
+            stage: statistics.median(r["stages"][stage]["busy_s"] for r in runs) / steps * 1e3
+            for stage in ("rollout", "reward", "pack", "rescore", "update")
+        }
+        print("stage busy, ms per step: " + ", ".join(f"{k} {v:.0f}" for k, v in busy.items()))
+        for key in ("waited_s", "push_s", "latency_p50_s"):
+            print(f"{key}: median {median_of(runs, key) * 1e3:.0f} ms")
+        print(f"lag max: {max(r['lag_max'] for r in runs)}")
+
+
+def main() -> None:
+    args = arguments()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = Path(scratch) / "decoder.pkl"
+        start = time.perf_counter()
+        prelude(args, weights)
+        print(f"prelude trained in {time.perf_counter() - start:.1f} s; load {os.getloadavg()}")
+        results = []
+        for index in range(args.rounds):
+            shift = index % len(args.modes)
+            order = args.modes[shift:] + args.modes[:shift]
+            round_results = []
+            for mode in order:
+                result = run_worker(mode, args, weights)
+                round_results.append(result)
+                brief = {k: v for k, v in result.items() if k not in ("edges", "stages")}
+                print(json.dumps({"round": index, **brief}), flush=True)
+            results.append(round_results)
+        summary(results, args)
+        print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
