@@ -4,8 +4,10 @@ Workload (the same in every mode): the story decoder of ``tests/story_prelude.py
 layers, width 128, vocabulary 1024; trained here on story openings, with room for ``P + R``
 positions), GRPO on story prefixes of 24 to ``P`` ids (left padded to ``P``), ``G``
 completions of ``R`` new ids per prompt at temperature 1 with top-k 40, the spec's "dog"
-reward on the decoded text, ``B`` prompts per step, ``GRPOObjective(behavior_importance=2.0)``
-and AdamW. No EOS is drawn, so every completion uses its whole budget and every step does
+reward on the decoded text, ``B`` prompts per step,
+``GRPOObjective(behavior_importance=2.0, proximal_in_step=True)`` and AdamW. With
+``proximal_in_step`` the loss takes the proximal likelihoods from its own forward pass, so
+the pipeline has no separate rescoring pass (``--rescore`` puts it back, for the record). No EOS is drawn, so every completion uses its whole budget and every step does
 the same work; truncated completions train on their reward (``truncation="score"``).
 
 Modes, each a fresh worker process (XLA sizes its thread pool to the cores a process may
@@ -67,6 +69,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=24, help="R, ids per completion")
     parser.add_argument("--steps-per-call", type=int, default=8, help="server decode steps")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="rescore each batch in a separate forward pass (proximal_in_step=False)",
+    )
     parser.add_argument(
         "--quiet", type=float, default=0.5, help="wait for other processes to use fewer cores"
     )
@@ -262,7 +269,11 @@ def worker(args: argparse.Namespace) -> dict:
     )
     width = args.prompt_len + args.new_tokens
     objective = GRPOObjective(
-        model, seq_len=width - 1, pretrained=variables, behavior_importance=2.0
+        model,
+        seq_len=width - 1,
+        pretrained=variables,
+        behavior_importance=2.0,
+        proximal_in_step=not args.rescore,
     )
     sampling = Sampling(temperature=1.0, top_k=40)
     trainer_of = lambda rollout: Trainer(  # noqa: E731
@@ -389,7 +400,7 @@ def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
         "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--prompts", str(args.prompts), "--groups", str(args.groups),
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-        "--steps-per-call", str(args.steps_per_call),
+        "--steps-per-call", str(args.steps_per_call), *(["--rescore"] if args.rescore else []),
     ]  # fmt: skip
     others, waited = others_now(), 0.0
     while others > args.quiet and waited < args.max_wait:  # let a neighbour's burst pass

@@ -258,12 +258,14 @@ def grpo_pipeline(
             truncation=truncation, estimator=estimator,
         )
     )  # fmt: skip
-    p.add(Rescore(jax.jit(trainer.objective.packed_log_probs), width=width))
+    in_step = getattr(trainer.objective, "proximal_in_step", False) is True
+    if not in_step:  # else the objective scores the proximal policy in its own step
+        p.add(Rescore(jax.jit(trainer.objective.packed_log_probs), width=width))
     p.add(
         Update(
             width=width, weights=weights, sync_every=sync_every, trainer=trainer, steps=steps,
             log=log,
         )
     )  # fmt: skip
-    wire(p, ahead=ahead, reward_workers=reward_workers)
+    wire(p, ahead=ahead, reward_workers=reward_workers, rescore=None if in_step else "rescore")
     return p

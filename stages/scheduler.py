@@ -92,7 +92,9 @@ class RolloutScheduler:
 
     Args:
       objective: the GRPO objective (``GRPOObjective(seq_len=width - 1, ...)``); its
-        ``packed_log_probs`` rescores every batch under the trainer's current weights.
+        ``packed_log_probs`` rescores every batch under the trainer's current weights,
+        unless it was built with ``proximal_in_step=True`` and scores them in its own
+        training step (the pipeline then has no rescore stage).
       source: a :class:`~dew_pipe.objectives.rl.sessions.SessionSource`.
       weights: the publisher the source samples from: ``load(params, version)`` and an int
         ``version`` (the served version; a ``NativeRolloutServer``, a ``Publication``).
@@ -448,12 +450,15 @@ class RolloutScheduler:
             audit=self.audit,
         )
         common = {"width": self.width, "support_capacity": self.support_capacity}
+        # An objective that takes the proximal likelihoods from its own forward pass needs
+        # no rescoring: pack hands its rows straight to update.
+        in_step = getattr(self.objective, "proximal_in_step", False) is True
         stages = [
             tasks,
             rollout,
             Reward(self.reward, workers=self.reward_workers),
             pack,
-            Rescore(self._score(), **common),
+            *([] if in_step else [Rescore(self._score(), **common)]),
             Update(weights=self.weights, sync_every=self.sync_every, **common),
             trainer,
             outlet,
@@ -461,7 +466,12 @@ class RolloutScheduler:
         pipeline = Pipeline("rollout-scheduler")
         for stage in stages:
             pipeline.add(stage)
-        wire(pipeline, ahead=self.ahead, reward_workers=self.reward_workers)
+        wire(
+            pipeline,
+            ahead=self.ahead,
+            reward_workers=self.reward_workers,
+            rescore=None if in_step else "rescore",
+        )
         pipeline.connect("trainer", "update.trainer", capacity=1)
         pipeline.connect("update.batches", "batches", capacity=1)
         return _Parts(pipeline.start(), tasks, trainer, outlet, pack)

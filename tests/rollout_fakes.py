@@ -138,9 +138,12 @@ class FakeObjective:
     test can tell which parameters rescored a batch.
     """
 
-    def __init__(self, width: int, behavior_importance: Any = 2.0) -> None:
+    def __init__(
+        self, width: int, behavior_importance: Any = 2.0, proximal_in_step: bool = False
+    ) -> None:
         self.seq_len = width - 1
         self.options = PolicyOptions(behavior_importance=behavior_importance)
+        self.proximal_in_step = proximal_in_step
 
     def packed_log_probs(self, params, batch):
         ids = jnp.asarray(batch["input_ids"], jnp.float32)

@@ -167,6 +167,28 @@ def test_rescoring_uses_the_weights_of_the_handover():
         assert not np.allclose(batch["old_log_probs"][mask], batch["behavior_log_probs"][mask])
 
 
+def test_an_objective_scoring_the_proximal_policy_in_step_skips_rescoring():
+    weights = FakeWeights()
+    source = FakeSource(weights, lambda s: Outcome(delay=0.001))
+    objective = FakeObjective(W, proximal_in_step=True)
+    records = []
+    with scheduler(
+        source, weights, objective=objective, ahead=1, max_lag=1, log=records.append
+    ) as s:
+        batches, _, _ = drive(s, task_data(4, 2), steps=3)
+        snapshot = s.snapshot()
+    source.close()
+    assert "rescore" not in snapshot.stages
+    assert snapshot.edges["pack.rows->update.rows"].items == 3
+    assert len(records) == 3 and max(r.lag for r in records) <= 1
+    for batch in batches:  # the engine's likelihoods pass through untouched
+        mask = batch["response_mask"] == 1
+        assert mask.any()
+        np.testing.assert_array_equal(
+            batch["old_log_probs"][mask], batch["behavior_log_probs"][mask]
+        )
+
+
 def test_snapshot_reports_the_running_pipelines_edges_and_stages():
     weights = FakeWeights()
     source = FakeSource(weights, lambda s: Outcome(delay=0.001))

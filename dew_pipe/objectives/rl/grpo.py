@@ -158,6 +158,15 @@ class GRPOObjective:
         kl_estimator: the reference KL estimator, "k3" (verl's ``low_var_kl``) unless you
             ask for "k1", "k2" or "abs"; a trailing "+" keeps the value and takes k2's
             unbiased gradient.
+        proximal_in_step: take ``old_log_probs`` (the proximal policy) from the loss's own
+            forward pass, detached, instead of from the batch. Those are the likelihoods
+            under the weights the update starts from, which is what a scheduler's rescoring
+            computes, so the result is the same while the separate rescoring forward pass
+            is saved (a ``RolloutScheduler`` then leaves its rescore stage out). It holds
+            when each batch trains one update, as the Trainer does (accumulated
+            microbatches share the weights); a batch rescored once and trained for several
+            updates needs the rescored column. Any ``old_log_probs`` in the batch is
+            ignored.
 
     Raises:
         TypeError: a model without ``init``/``apply``, or a ``pretrained`` that is not a mapping.
@@ -197,6 +206,7 @@ class GRPOObjective:
         sampling_temperature: float | None = None,
         *,
         kl_estimator: str = "k3",
+        proximal_in_step: bool = False,
     ) -> None:
         if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
             raise TypeError(f"model is a {type(model).__name__}; expected a Flax linen Module")
@@ -214,6 +224,8 @@ class GRPOObjective:
             raise ValueError(
                 f"sampling_temperature={sampling_temperature!r}; expected None or a number > 0"
             )
+        if not isinstance(proximal_in_step, bool):
+            raise TypeError(f"proximal_in_step={proximal_in_step!r}; expected True or False")
         self.options = PolicyOptions(
             beta=beta,
             epsilon_low=epsilon_low,
@@ -229,6 +241,7 @@ class GRPOObjective:
         self.model = model
         self.seq_len = int(seq_len)
         self.beta = float(beta)
+        self.proximal_in_step = proximal_in_step
         self.sampling_temperature = (
             None if sampling_temperature is None else float(sampling_temperature)
         )
@@ -330,13 +343,18 @@ class GRPOObjective:
                 batch without ``old_log_probs``, or ``beta > 0`` without ``ema``.
         """
         del key
-        check_packed_layout(batch, self.seq_len, self.options)
+        check_packed_layout(
+            batch, self.seq_len, self.options, proximal_in_step=self.proximal_in_step
+        )
         if self.beta > 0 and ema is None:
             raise ValueError(
                 f"ema: GRPOObjective(beta={self.beta}) needs the frozen reference in the EMA "
                 "slot; the trainer passes it when ema_decay is 1.0"
             )
         log_prob, entropy, _ = self._score(params, batch, self.sampling_temperature)
+        old = batch.get("old_log_probs")
+        if self.proximal_in_step:
+            old = jax.lax.stop_gradient(log_prob)
         ref = None
         if self.beta > 0:
             ref, _, _ = self._score(jax.lax.stop_gradient(ema), batch, self.sampling_temperature)
@@ -347,7 +365,7 @@ class GRPOObjective:
             advantages=batch["advantages"],
             response_mask=batch["response_mask"],
             behavior_log_prob=batch["behavior_log_probs"],
-            old_log_prob=batch.get("old_log_probs"),
+            old_log_prob=old,
             ref_log_prob=ref,
             chains=chains,
             sessions=batch.get("session_index"),
@@ -410,4 +428,10 @@ class GRPOObjective:
         if "input_ids" not in batch and "prompt" in batch:
             validate_prompts(batch, self.seq_len, self.vocab_size)
             return
-        validate_packed(batch, self.seq_len, self.options, self.vocab_size)
+        validate_packed(
+            batch,
+            self.seq_len,
+            self.options,
+            self.vocab_size,
+            proximal_in_step=self.proximal_in_step,
+        )

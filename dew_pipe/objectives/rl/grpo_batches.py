@@ -52,6 +52,7 @@ def check_packed_layout(
     options: PolicyOptions,
     *,
     require_policy: bool = True,
+    proximal_in_step: bool = False,
 ) -> None:
     """Names and shapes of a packed batch; runs under tracing.
 
@@ -60,6 +61,8 @@ def check_packed_layout(
         seq_len: the objective's ``seq_len``; rows are ``seq_len + 1`` wide.
         options: the policy options (they decide which optional fields are required).
         require_policy: also require the fields the loss reads (not only the chains).
+        proximal_in_step: the loss takes ``old_log_probs`` from its own forward pass, so
+            the batch needs none (a TIS cap has its proximal likelihoods).
 
     Raises:
         ValueError: a missing field or a shape other than ``[N, seq_len + 1]``.
@@ -100,7 +103,7 @@ def check_packed_layout(
         return
     if options.aggregation == "session-mean" and "session_index" not in batch:
         raise _missing(batch, "session_index", "aggregation='session-mean' groups tokens by it")
-    if options.truncation_cap is not None and "old_log_probs" not in batch:
+    if options.truncation_cap is not None and not proximal_in_step and "old_log_probs" not in batch:
         raise _missing(
             batch,
             "old_log_probs",
@@ -168,7 +171,9 @@ def _check_chains(batch: Mapping[str, Any], width: int) -> np.ndarray:
     return mask
 
 
-def _check_likelihoods(batch: Mapping[str, Any], mask: np.ndarray, options: PolicyOptions) -> None:
+def _check_likelihoods(
+    batch: Mapping[str, Any], mask: np.ndarray, options: PolicyOptions, proximal_in_step: bool
+) -> None:
     behavior = np.asarray(batch["behavior_log_probs"])
     if not np.isfinite(behavior[mask]).all():
         r, c = _first(mask & ~np.isfinite(behavior))
@@ -190,8 +195,8 @@ def _check_likelihoods(batch: Mapping[str, Any], mask: np.ndarray, options: Poli
         raise ValueError(
             f"batch field 'advantages' is {advantages[r, c]} at row {r}, column {c}; expected finite"
         )
-    if "old_log_probs" not in batch:
-        return
+    if proximal_in_step or "old_log_probs" not in batch:
+        return  # in-step proximal likelihoods replace whatever the batch holds
     old = np.asarray(batch["old_log_probs"])
     if not np.isfinite(old[mask]).all():
         r, c = _first(mask & ~np.isfinite(old))
@@ -233,18 +238,23 @@ def _check_support(batch: Mapping[str, Any], mask: np.ndarray, vocab: int | None
 
 
 def validate_packed(
-    batch: Mapping[str, Any], seq_len: int, options: PolicyOptions, vocab: int | None
+    batch: Mapping[str, Any],
+    seq_len: int,
+    options: PolicyOptions,
+    vocab: int | None,
+    *,
+    proximal_in_step: bool = False,
 ) -> None:
     """Host-side check of a packed batch for training.
 
     Raises:
         ValueError: see :meth:`GRPOObjective.validate`.
     """
-    check_packed_layout(batch, seq_len, options)
+    check_packed_layout(batch, seq_len, options, proximal_in_step=proximal_in_step)
     _check_dtypes(batch)
     _check_ids("input_ids", np.asarray(batch["input_ids"]), vocab)
     mask = _check_chains(batch, seq_len + 1)
-    _check_likelihoods(batch, mask, options)
+    _check_likelihoods(batch, mask, options, proximal_in_step)
     if options.aggregation == "session-mean":
         sessions = np.asarray(batch["session_index"])
         if mask.any() and sessions[mask].min() < 0:
