@@ -471,6 +471,7 @@ def summary(results: list[list[dict]], args: argparse.Namespace) -> None:
         busy = {
             stage: statistics.median(r["stages"][stage]["busy_s"] for r in runs) / steps * 1e3
             for stage in ("rollout", "reward", "pack", "rescore", "update")
+            if stage in runs[0]["stages"]  # no rescore stage with proximal_in_step
         }
         print("stage busy, ms per step: " + ", ".join(f"{k} {v:.0f}" for k, v in busy.items()))
         for key in ("waited_s", "push_s", "latency_p50_s"):

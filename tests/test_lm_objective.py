@@ -202,7 +202,12 @@ def test_validate_names_the_field(objectives, change, message):
 
 
 def test_validate_accepts_a_good_batch(objectives):
-    objectives["assistant"].validate(packed_batch())
+    batch = packed_batch()
+    before = {name: np.array(value, copy=True) for name, value in batch.items()}
+    assert objectives["assistant"].validate(batch) is None
+    assert batch.keys() == before.keys()
+    for name, value in before.items():  # validation reads the batch, never rewrites it
+        np.testing.assert_array_equal(batch[name], value)
 
 
 def test_trainer_refuses_a_bad_batch_before_compiling_the_update(model):
