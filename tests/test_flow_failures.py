@@ -211,12 +211,18 @@ def test_keyboard_interrupt_while_waiting_cancels_and_reraises():
     hang = Hang()
     p = Pipeline("ctrl-c")
     p.chain(Source("src", _endless, output_type=int), hang, capacity=2)
-    run = p.start()
-    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        run.wait()
-    timer.join()
+    # Python's own handler, whatever this process inherited: a shell starts background jobs
+    # with SIGINT ignored, and the signal would then never arrive.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run = p.start()
+        timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            run.wait(timeout=30)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert run.done and hang.stopped.is_set() and not _threads("ctrl-c")
 
 
