@@ -16,10 +16,8 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from dew_pipe import host_memory as _host_memory
+from dew_pipe._lazy import lazy_exports
 
 _host_memory.apply_default()
 
@@ -34,18 +32,4 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "models": ("dew_pipe.models", None),
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'dew_pipe' has no attribute {name!r}")
-    module = importlib.import_module(target[0])
-    value = module if target[1] is None else getattr(module, target[1])
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -17,8 +17,7 @@ weights); ``RolloutScheduler`` runs that graph as the Trainer's rollout, and
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew_pipe._lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "Rollout": "dew_pipe.stages.rollout",
@@ -42,17 +41,4 @@ _LAZY: dict[str, str] = {
     "Step": "dew_pipe.stages.messages",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dew_pipe.stages' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -7,8 +7,7 @@ loaders that need heavy libraries load only when used. To export a new name, add
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew_pipe._lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "Dataset": "dew_pipe.data.dataset",
@@ -27,17 +26,4 @@ _LAZY: dict[str, str] = {
     "story_tokenizer": "dew_pipe.data.stories",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dew_pipe.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

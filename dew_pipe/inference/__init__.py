@@ -9,8 +9,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew_pipe._lazy import lazy_exports
 
 # name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str]] = {
@@ -32,17 +31,4 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SampledRollout": ("dew_pipe.inference.sampled_rollout", "SampledRollout"),
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'dew_pipe.inference' has no attribute {name!r}")
-    value = getattr(importlib.import_module(target[0]), target[1])
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

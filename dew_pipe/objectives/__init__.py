@@ -6,25 +6,11 @@ name is used. To export a new name, add it to ``_LAZY`` with the module that def
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew_pipe._lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "LMObjective": "dew_pipe.objectives.lm",
     "Objective": "dew_pipe.objectives.base",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dew_pipe.objectives' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

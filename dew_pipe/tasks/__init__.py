@@ -6,8 +6,7 @@ nor transformers.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew_pipe._lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "ArithmeticTask": "dew_pipe.tasks.arithmetic",
@@ -17,17 +16,4 @@ _LAZY: dict[str, str] = {
     "build_char_tokenizer": "dew_pipe.tasks.char_tokenizer",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dew_pipe.tasks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
