@@ -216,7 +216,7 @@ def test_a_child_that_cannot_start_is_reported():
 def test_docstring_example_of_the_worker_runs():
     import doctest
 
-    from dew_pipe.inference import server_worker
+    from dew_pipe.inference.servers import process_worker
 
-    failed, tried = doctest.testmod(server_worker)
+    failed, tried = doctest.testmod(process_worker)
     assert failed == 0 and tried >= 1

@@ -1,5 +1,13 @@
 """Inference: compiled generation with the decoder's cache, text policies, rollout servers.
 
+- ``decoding.py``, ``generation.py``: one compiled decode step over the decoder's cache, and
+  `generate`, which samples a whole batch with it.
+- ``text.py``: `TextGeneration`, a policy that turns token contexts into `Generation` records.
+- ``sampled_rollout.py``: `SampledRollout`, the trainer's synchronous GRPO rollout hook.
+- ``prompt_source.py``: `PromptSource`, sessions sampled from a rollout server and scored.
+- ``servers/``: the `RolloutServer` interface and its backends (the continuous-batching
+  `Server`, `NativeRolloutServer`, `ProcessRolloutServer`); see its docstring.
+
 Names resolve lazily (module ``__getattr__``), so importing the package stays cheap. Add a
 name by adding one line to ``_LAZY``.
 
@@ -13,14 +21,14 @@ from dew_pipe._lazy import lazy_exports
 
 # name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str]] = {
-    # rollout servers (the RolloutServer interface, the native continuous-batching server)
-    "Draw": ("dew_pipe.inference.rollout", "Draw"),
-    "RolloutServer": ("dew_pipe.inference.rollout", "RolloutServer"),
-    "NativeRolloutServer": ("dew_pipe.inference.native", "NativeRolloutServer"),
-    "ProcessRolloutServer": ("dew_pipe.inference.process_server", "ProcessRolloutServer"),
-    "Server": ("dew_pipe.inference.server", "Server"),
-    "ServerCounters": ("dew_pipe.inference.server_records", "ServerCounters"),
-    "ServeTask": ("dew_pipe.inference.server_setup", "ServeTask"),
+    # rollout servers (servers/: the interface, the continuous-batching engine, backends)
+    "Draw": ("dew_pipe.inference.servers.interface", "Draw"),
+    "RolloutServer": ("dew_pipe.inference.servers.interface", "RolloutServer"),
+    "NativeRolloutServer": ("dew_pipe.inference.servers.native", "NativeRolloutServer"),
+    "ProcessRolloutServer": ("dew_pipe.inference.servers.process", "ProcessRolloutServer"),
+    "Server": ("dew_pipe.inference.servers.engine", "Server"),
+    "ServerCounters": ("dew_pipe.inference.servers.engine_records", "ServerCounters"),
+    "ServeTask": ("dew_pipe.inference.servers.engine_setup", "ServeTask"),
     "PromptSource": ("dew_pipe.inference.prompt_source", "PromptSource"),
     "DecodeStep": ("dew_pipe.inference.decoding", "DecodeStep"),
     "decode_step": ("dew_pipe.inference.decoding", "decode_step"),

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dew_pipe.inference.rollout import Draw
+from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.objectives.rl.sessions import Session, Status, Task
 
 __all__ = ["PromptSource", "Reward", "join_ids"]

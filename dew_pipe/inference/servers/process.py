@@ -3,7 +3,7 @@
 The in-process `NativeRolloutServer` shares the trainer's XLA runtime: on CPU every JAX
 computation of a process runs on one pool of worker threads, so a rollout and an update
 running "at the same time" take turns on the same cores. This server starts a fresh Python
-process (``python -m dew_pipe.inference.server_worker``) with its own XLA runtime, optionally
+process (``python -m dew_pipe.inference.servers.process_worker``) with its own XLA runtime, optionally
 pinned to chosen cores (``cpus``) or given its own accelerator (``env``, for example
 ``CUDA_VISIBLE_DEVICES``), the way a separate inference device serves a trainer in a real
 deployment. It answers the same `RolloutServer` requests:
@@ -39,9 +39,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dew_pipe.inference.rollout import Draw
-from dew_pipe.inference.server_records import ServerCounters
-from dew_pipe.inference.server_setup import (
+from dew_pipe.inference.servers.engine_records import ServerCounters
+from dew_pipe.inference.servers.engine_setup import (
     ServeTask,
     check_tree,
     from_task_arguments,
@@ -51,6 +50,7 @@ from dew_pipe.inference.server_setup import (
     variables_of,
     version_number,
 )
+from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.sampling import Sampling
 
 __all__ = ["ProcessRolloutServer"]
@@ -203,7 +203,12 @@ class ProcessRolloutServer:
         fd = theirs.fileno()
         try:
             process = subprocess.Popen(
-                [python or sys.executable, "-m", "dew_pipe.inference.server_worker", str(fd)],
+                [
+                    python or sys.executable,
+                    "-m",
+                    "dew_pipe.inference.servers.process_worker",
+                    str(fd),
+                ],
                 pass_fds=(fd,),
                 env=environment,
                 stdin=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """The child side of `dew_pipe.inference.ProcessRolloutServer`: a `Server` in its own process.
 
-Run as ``python -m dew_pipe.inference.server_worker FD`` by the parent, which holds the other
+Run as ``python -m dew_pipe.inference.servers.process_worker FD`` by the parent, which holds the other
 end of the socket ``FD``. Nothing here imports JAX before the setup message has been read:
 the CPU affinity is applied first, so XLA sizes its thread pool to the cores this process
 may use, and the parent's environment (``XLA_FLAGS``, ``JAX_PLATFORMS``,
@@ -131,7 +131,7 @@ def _setup(connection: Connection) -> Any:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     task = pickle.loads(setup["task"])
-    from dew_pipe.inference.server import Server
+    from dew_pipe.inference.servers.engine import Server
 
     return Server.from_task(task, **setup["options"])
 
@@ -139,7 +139,7 @@ def _setup(connection: Connection) -> Any:
 def main(argv: list[str]) -> int:
     """Entry point: ``argv[1]`` is the file descriptor of the socket to the parent."""
     if len(argv) != 2 or not argv[1].isdigit():
-        print("usage: python -m dew_pipe.inference.server_worker FD", file=sys.stderr)
+        print("usage: python -m dew_pipe.inference.servers.process_worker FD", file=sys.stderr)
         return 2
     connection = Connection(int(argv[1]))
     try:

@@ -6,15 +6,15 @@ in a bounded queue; between two decode calls the server thread
 1. applies a pending weight reload (`Server.reload`), so the next ids come from the new
    weights while draws in flight keep their rows and caches;
 2. releases the rows of cancelled draws;
-3. starts waiting requests in free rows (`dew_pipe.inference.serving.prefill`: one
+3. starts waiting requests in free rows (`dew_pipe.inference.servers.engine_steps.prefill`: one
    compiled shape per bucket of joining requests and prompt width, running rows
    untouched); an idle server may first wait up to ``gather_s`` for more requests, so a
    burst submitted one request at a time starts in one prefill;
 4. advances every busy row by up to ``steps_per_call`` ids in one compiled call of a fixed
-   shape (`dew_pipe.inference.serving.advance`), stopping early once a row finishes while
+   shape (`dew_pipe.inference.servers.engine_steps.advance`), stopping early once a row finishes while
    requests wait, so a finished row is handed on at once.
 
-A finished row resolves its future with a `dew_pipe.inference.rollout.Draw`. Each draw is
+A finished row resolves its future with a `dew_pipe.inference.servers.interface.Draw`. Each draw is
 sampled from its own seed (``fold_in(key(seed), t)`` for its ``t``-th id), so given the
 seed it is the same whichever requests share the batch. What the thread does is counted
 (`Server.counters`).
@@ -41,10 +41,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from dew_pipe.inference import serving
-from dew_pipe.inference.rollout import Draw
-from dew_pipe.inference.server_records import Reload, Request, ServerCounters
-from dew_pipe.inference.server_setup import (
+from dew_pipe.inference.servers import engine_steps
+from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters
+from dew_pipe.inference.servers.engine_setup import (
     ServeTask,
     bucket,
     check_options,
@@ -60,6 +59,7 @@ from dew_pipe.inference.server_setup import (
     variables_of,
     version_number,
 )
+from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.sampling import Sampling
 
 __all__ = ["Server", "ServerCounters", "ServeTask"]
@@ -173,7 +173,7 @@ class Server:
         self._variables = served_copy(variables_of(variables, "variables"), dtype, device)
         self._signature = signature(self._variables)
         self._cache = jax.device_put(self.model.init_cache(self.slots, self.capacity), device)
-        self._state = jax.device_put(serving.empty_slots(self.slots), device)
+        self._state = jax.device_put(engine_steps.empty_slots(self.slots), device)
         self._version = options["version"]
         self._seeds = np.random.default_rng(options["seed"])
         self._rows: list[Request | None] = [None] * self.slots
@@ -460,7 +460,7 @@ class Server:
     def _apply_reload(self, request: Reload) -> None:
         try:
             new = jax.device_put(request.variables, self.device)
-            self._variables = serving.copy_into(self._variables, new)
+            self._variables = engine_steps.copy_into(self._variables, new)
             jax.block_until_ready(self._variables)
         except BaseException as error:
             request.error = error
@@ -484,7 +484,7 @@ class Server:
             rows[j] = r
             prompts[j, width - req.prompt.size :] = req.prompt
             lengths[j], limits[j], seeds[j] = req.prompt.size, req.budget, req.seed
-        self._cache, self._state, first = serving.prefill(
+        self._cache, self._state, first = engine_steps.prefill(
             self.model,
             self._variables,
             self._cache,
@@ -518,7 +518,7 @@ class Server:
         """One compiled decode call over the busy rows; finished rows resolve."""
         keep = np.array([req is not None for req in self._rows])
         eager = bool(self._waiting)
-        self._cache, self._state, out = serving.advance(
+        self._cache, self._state, out = engine_steps.advance(
             self.model,
             self._variables,
             self._cache,

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from dew_pipe.inference.rollout import Draw
-from dew_pipe.inference.server import Server, ServerCounters
+from dew_pipe.inference.servers.engine import Server, ServerCounters
+from dew_pipe.inference.servers.interface import Draw
 
 __all__ = ["NativeRolloutServer"]
 
