@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dew_pipe._pool import WorkerPool
 from dew_pipe.flow.errors import BuildError, Cancelled, EndOfStream, FlowError
 from dew_pipe.flow.ports import Port, PortType, item_mismatch
 from dew_pipe.flow.stage import Stage, StageContext
@@ -94,7 +95,9 @@ class Map(Stage):
       output_type: type of the output port (default: ``input_type``).
       workers: threads applying ``fn`` concurrently. For host-bound work that releases the
         GIL (NumPy, Arrow, subprocesses, I/O); pure-Python ``fn`` gains nothing from more.
-        At most ``workers`` items are in the pool at a time.
+        At most ``workers`` items are in the pool at a time. The threads are daemons
+        (``dew_pipe._pool.WorkerPool``): one stuck in ``fn`` is reported by the run and
+        never keeps the process from exiting.
       ordered: emit results in input order (a slow item holds back later ones); with
         False, in completion order.
       in_port, out_port: port names.
@@ -143,8 +146,8 @@ class Map(Stage):
                 if ctx.downstream_done(self.out_port):
                     return  # nobody reads on: stop, releasing the producer upstream
             return
-        prefix = f"{ctx.thread_name}/worker"
-        with cf.ThreadPoolExecutor(self.workers, thread_name_prefix=prefix) as pool:
+        # Daemon threads: a worker stuck in ``fn`` never keeps the process alive at exit.
+        with WorkerPool(self.workers, name=f"{ctx.thread_name}/worker") as pool:
             pending: deque[tuple[int, cf.Future]] = deque()
             try:
                 self._pump(ctx, pool, pending)

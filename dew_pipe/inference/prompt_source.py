@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dew_pipe._pool import WorkerPool
 from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.objectives.rl.sessions import Session, Status, Task
 
@@ -162,7 +163,7 @@ class PromptSource:
         self.max_new_tokens = _int("max_new_tokens", max_new_tokens, 1)
         self.workers = _int("workers", workers, 1)
         self.seed = _int("seed", seed, None)
-        self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="prompt-reward")
+        self._pool = WorkerPool(self.workers, name="prompt-reward")  # daemons: see _pool
         self._lock = threading.Lock()
         self._pending: dict[cf.Future, _Pending] = {}
         self._closed = False
