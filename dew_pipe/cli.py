@@ -333,14 +333,23 @@ def _stderr_discarded() -> Iterator[None]:
 
 
 def _run_dir(requested: Path | None, stem: str) -> Path:
+    """Create the run directory; a path that cannot be one (a file, or under a file, or not
+    writable) is a usage error naming it."""
     if requested is not None:
-        requested.mkdir(parents=True, exist_ok=True)
-        return requested
-    base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    candidate, n = base, 1
-    while candidate.exists():  # two runs in one second: keep both
-        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
-    candidate.mkdir(parents=True)
+        candidate = requested
+    else:
+        base = Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        candidate, n = base, 1
+        while candidate.exists():  # two runs in one second: keep both
+            candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    label = f"--run-dir {candidate}" if requested is not None else f"run directory {candidate}"
+    if candidate.exists() and not candidate.is_dir():
+        raise _Exit(f"{label}: exists and is not a directory", EXIT_USAGE)
+    try:
+        candidate.mkdir(parents=True, exist_ok=requested is not None)
+    except OSError as e:
+        reason = e.strerror or _one_line(e)
+        raise _Exit(f"{label}: cannot create the directory: {reason}", EXIT_USAGE, e) from e
     return candidate
 
 
@@ -364,7 +373,12 @@ def _run(args: argparse.Namespace) -> int:
     if not args.metrics_every > 0:
         raise _Exit(f"--metrics-every {args.metrics_every}: expected seconds > 0", EXIT_USAGE)
     run_dir = _run_dir(args.run_dir, path.stem)
-    (run_dir / "config.json").write_text(json.dumps(to_json(config), indent=2) + "\n")
+    try:
+        (run_dir / "config.json").write_text(json.dumps(to_json(config), indent=2) + "\n")
+    except OSError as e:
+        raise _Exit(
+            f"run directory {run_dir}: cannot write config.json: {e.strerror}", EXIT_USAGE, e
+        ) from e
     record = {"file": str(path), "entry": kind, "argv": sys.argv, "started": time.time()}
     start = time.monotonic()
     code, message, cause = _execute(target, config, run_dir, args, path)
