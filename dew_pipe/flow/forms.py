@@ -8,6 +8,7 @@ running pipeline to a thread outside it: one feeds items in, the other hands ite
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import threading
 import time
 from collections import deque
@@ -45,7 +46,8 @@ class Source(Stage):
       out_port: the port's name.
 
     The source stops early, closing the iterator, when the run is cancelled or when every
-    consumer of its port has finished.
+    consumer of its port has finished. An iterator that raises fails the run naming the
+    index of the item it was producing.
 
     Example:
       >>> import pyarrow as pa
@@ -74,8 +76,12 @@ class Source(Stage):
     def run(self, ctx: StageContext) -> None:
         iterator = iter(self.items())
         try:
-            for index, item in enumerate(iterator):
-                ctx.item = index
+            for index in itertools.count():
+                ctx.item = index  # before next(): an iterator that raises names its own item
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
                 if ctx.cancelled or ctx.downstream_done(self.out_port):
                     return
                 ctx.put(self.out_port, item)
