@@ -23,8 +23,8 @@ _host_memory.apply_default()
 
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "Trainer": ("dew_pipe.trainer", "Trainer"),
-    "TrainState": ("dew_pipe.trainer", "TrainState"),
+    "Trainer": ("dew_pipe.training.trainer", "Trainer"),
+    "TrainState": ("dew_pipe.training.step", "TrainState"),
     "Dataset": ("dew_pipe.data.dataset", "Dataset"),
     "Loading": ("dew_pipe.data.dataset", "Loading"),
     "LMObjective": ("dew_pipe.objectives.lm", "LMObjective"),

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_pipe.data.dataset import Dataset, Partition
-from dew_pipe.data_stream import BatchStream
 from dew_pipe.objectives.rl.policy import PolicyOptions
 from dew_pipe.objectives.rl.sessions import Call, Session
+from dew_pipe.training.data_stream import BatchStream
 
 VOCAB = 13
 

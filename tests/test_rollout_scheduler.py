@@ -23,9 +23,9 @@ from rollout_fakes import (
 )
 
 from dew_pipe.data.dataset import Partition
-from dew_pipe.data_stream import BatchStream
 from dew_pipe.flow import StageFailed
 from dew_pipe.objectives.rl import RolloutScheduler, prompt_tasks, task_ids
+from dew_pipe.training.data_stream import BatchStream
 
 W = 16
 

@@ -374,7 +374,7 @@ def test_trainer_trains_through_the_rollout_and_logs_its_metrics():
 
 
 def test_trainer_refuses_a_rollout_that_reports_bad_metrics():
-    from dew_pipe.trainer import _rollout_metrics
+    from dew_pipe.training.loop import _rollout_metrics
 
     class Reporting:
         def __init__(self, values):

@@ -22,7 +22,7 @@ import pytest
 from trainer_helpers import MaskedRegression, cycling, host, make_batch, numpy_loss_grad
 
 from dew_pipe import Dataset, Trainer, TrainState
-from dew_pipe.trainer import NonFiniteError
+from dew_pipe.training import NonFiniteError
 
 BATCHES = [make_batch(seed) for seed in range(5)]
 KEY = jax.random.key(7)
@@ -465,9 +465,9 @@ def test_batch_errors_name_the_field_and_sizes():
 def test_fit_argument_errors():
     trainer = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY)
     no_val = Dataset(train=lambda p: itertools.repeat(BATCHES[0]), val=None, batch=8)
-    with pytest.raises(ValueError, match=r"steps=-1; expected an int >= 0"):
+    with pytest.raises(ValueError, match=r"steps is -1; expected an int >= 0"):
         trainer.fit(no_val, steps=-1)
-    with pytest.raises(ValueError, match=r"log_every=0"):
+    with pytest.raises(ValueError, match=r"log_every is 0"):
         trainer.fit(no_val, steps=1, log_every=0)
     with pytest.raises(ValueError, match=r"eval_every=2 but Dataset.val is None"):
         trainer.fit(no_val, steps=1, eval_every=2)
@@ -498,7 +498,7 @@ class BadDecay(MaskedRegression):
         (NoEvaluate(), {}, TypeError, "has no method 'evaluate'"),
         (BadDecay(), {}, ValueError, r"ema_decay=1.5; expected None or a float in \[0, 1\]"),
         (None, {"checkpoint_every": 5}, ValueError, "checkpoint_every=5 needs a run_dir"),
-        (None, {"accumulate": 0}, ValueError, "accumulate=0; expected an int >= 1"),
+        (None, {"accumulate": 0}, ValueError, "accumulate is 0; expected an int >= 1"),
         (None, {"nan_guard": "maybe"}, ValueError, "nan_guard='maybe'; expected True, False"),
         (None, {"key": 3}, TypeError, r"key=3; expected a typed PRNG key"),
         (None, {"rollout": 5}, TypeError, "rollout=5; expected None or rollout"),

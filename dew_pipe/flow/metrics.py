@@ -1,15 +1,20 @@
-"""Counters of a run (per stage, per edge) and the JSON-lines writer of the run directory."""
+"""Counters of a run (per stage, per edge) and the records the runtime writes to ``metrics.jsonl``.
+
+How a line reaches the file (append, lock, flush) is :class:`dew_pipe._jsonl.JsonLines`, the
+run directory's one JSON-lines writer, shared with the Trainer's log; this module decides what
+the runtime's records hold.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dew_pipe._jsonl import JsonLines
 
 
 @dataclass(frozen=True)
@@ -127,29 +132,22 @@ class MetricsWriter:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._file = self.path.open("a", encoding="utf-8")
-        self._lock = threading.Lock()
+        self._lines = JsonLines(path, default=_plain, allow_nan=True)
+        self.path = self._lines.path
         self._start = time.monotonic()
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one record of the given kind (``flow``, ``values``, ``event``, ...)."""
         record = {"time": time.time(), "elapsed": time.monotonic() - self._start, "kind": kind}
         record.update(fields)
-        line = json.dumps(record, default=_plain, allow_nan=True)
-        with self._lock:
-            if self._file.closed:
-                raise ValueError(f"metrics file {self.path} is closed")
-            self._file.write(line + "\n")
-            self._file.flush()
+        self._lines.write(record)
 
     def flow(self, snapshot: FlowSnapshot) -> None:
         """Append a ``flow`` record with the snapshot's stages and edges."""
         self.write("flow", **snapshot.to_dict())
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        self._lines.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -28,7 +28,7 @@ from dew_pipe import models
 from dew_pipe.data.chat import Role
 from dew_pipe.objectives.lm import LMObjective
 from dew_pipe.tasks.arithmetic import ArithmeticTask
-from dew_pipe.trainer import Trainer, TrainState
+from dew_pipe.training import Trainer, TrainState
 
 __all__ = ["SFTRecipe", "train_sft"]
 

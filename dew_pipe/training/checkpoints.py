@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from dew_pipe.update import TrainState
+from dew_pipe.training.step import TrainState
 
 __all__ = ["CheckpointMismatchError", "Checkpoints"]
 

@@ -1,5 +1,9 @@
 """What fit reports: interval averages to metrics.jsonl, a callback and a progress bar.
 
+Lines reach ``metrics.jsonl`` through :class:`dew_pipe._jsonl.JsonLines`, the run
+directory's one JSON-lines writer (the flow runtime writes its records through it too);
+this module decides what a training record holds.
+
 Per-step metrics stay on the device until a record is due (every ``log_every``
 steps), then one ``device_get`` fetches them all: logging adds a single host-device
 sync point per record, not per step.
@@ -21,7 +25,6 @@ Validation records carry ``step``, ``updates`` and the objective's summary under
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +41,8 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
+
+from dew_pipe._jsonl import JsonLines
 
 __all__ = ["TrainLog"]
 
@@ -79,10 +84,11 @@ class TrainLog:
         examples_per_step: int,
         records: int | None,
     ) -> None:
-        self._file = None
+        self._file: JsonLines | None = None
         if run_dir is not None and jax.process_index() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            # Records are cleaned to finite numbers or None first (_number), so no NaN reaches it.
+            self._file = JsonLines(run_dir / "metrics.jsonl", allow_nan=False)
         self._callback = callback
         self._pending: list[Mapping[str, jax.Array]] = []
         self._examples = examples_per_step
@@ -149,8 +155,7 @@ class TrainLog:
         """Append ``record`` to metrics.jsonl and hand it to the callback."""
         clean = {name: _number(value) for name, value in record.items()}
         if self._file is not None:
-            self._file.write(json.dumps(clean, allow_nan=False) + "\n")
-            self._file.flush()
+            self._file.write(clean)
         if self._callback is not None:
             self._callback(clean)
 

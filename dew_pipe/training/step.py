@@ -1,4 +1,4 @@
-"""TrainState and the pure update the Trainer compiles.
+"""TrainState and the pure update step the Trainer compiles.
 
 One call of the update consumes one batch (a microbatch when accumulating):
 
@@ -29,7 +29,14 @@ import optax
 
 from dew_pipe.objectives.base import Objective, Variables
 
-__all__ = ["Accumulation", "TrainState", "build_update", "init_state", "learning_rate"]
+__all__ = [
+    "Accumulation",
+    "NonFiniteError",
+    "TrainState",
+    "build_update",
+    "init_state",
+    "learning_rate",
+]
 
 Guard = str | None  # "raise", "skip" or None
 
@@ -61,6 +68,22 @@ class TrainState:
     opt_state: optax.OptState
     ema: Variables | None
     rng: jax.Array
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or gradient of a step was NaN or infinite.
+
+    Attributes:
+        step: the step that failed (``state.step`` it would have reached).
+        metrics: that step's metrics, as floats.
+        state: the state before the failed step (nothing was applied).
+    """
+
+    def __init__(self, message: str, step: int, metrics: dict[str, float], state: TrainState):
+        super().__init__(message)
+        self.step = step
+        self.metrics = metrics
+        self.state = state
 
 
 class Accumulation(NamedTuple):

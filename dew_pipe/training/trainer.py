@@ -3,16 +3,13 @@
 Strategy: the state is built by a jitted init so it lands replicated on a one-axis
 device mesh (axis ``"data"``); every batch is split along its example axis over that
 axis, so XLA computes the global loss and all-reduces the gradient. The update
-donates the state's buffers: a state handed to ``fit`` must not be read afterwards.
+donates the state's buffers: a state handed to ``fit`` or ``train_step`` must not be
+read afterwards.
 
-Each step of ``fit``:
-
-1. read the next batch (and ``read_ahead`` more, so host reading overlaps the
-   device's work on the previous update);
-2. resolve the NaN guard of the previous step (the one host-device sync per step);
-3. ``batch = rollout(state, batch, key)`` on the host, when there is a rollout;
-4. check the batch and place it on the mesh; dispatch the update;
-5. log, evaluate and checkpoint when due.
+Two ways in, one path to the device: ``fit`` runs the whole loop
+(:class:`~dew_pipe.training.loop.FitLoop`: data, rollout, NaN guard, log, evaluation,
+checkpoints); ``train_step`` runs one update for callers that drive the steps themselves
+(the update stage of a pipeline). Both check and place every batch in ``Trainer._place``.
 """
 
 from __future__ import annotations
@@ -27,33 +24,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew_pipe.checkpoint import Checkpoints
+from dew_pipe._validate import check_int
 from dew_pipe.data.dataset import Dataset, Partition, check_batch
-from dew_pipe.data_stream import BatchStream
 from dew_pipe.objectives.base import Objective
-from dew_pipe.train_log import TrainLog
-from dew_pipe.update import TrainState, build_update, init_state
+from dew_pipe.training.checkpoints import Checkpoints
+from dew_pipe.training.loop import FitLoop
+from dew_pipe.training.step import TrainState, build_update, init_state
 
-__all__ = ["NonFiniteError", "TrainState", "Trainer"]
-
-# fold_in constant that separates the rollout's key stream from the update's splits.
-_ROLLOUT_STREAM = 0x524F4C4C
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or gradient of a step was NaN or infinite.
-
-    Attributes:
-        step: the step that failed (``state.step`` it would have reached).
-        metrics: that step's metrics, as floats.
-        state: the state before the failed step (nothing was applied).
-    """
-
-    def __init__(self, message: str, step: int, metrics: dict[str, float], state: TrainState):
-        super().__init__(message)
-        self.step = step
-        self.metrics = metrics
-        self.state = state
+__all__ = ["Trainer"]
 
 
 def _check_objective(objective: Any) -> None:
@@ -70,13 +48,6 @@ def _check_objective(objective: Any) -> None:
         isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0
     ):
         raise ValueError(f"objective.ema_decay={decay!r}; expected None or a float in [0, 1]")
-
-
-def _check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r}; expected an int >= {minimum}")
 
 
 def _guard_mode(nan_guard: Any) -> str | None:
@@ -166,9 +137,11 @@ class Trainer:
             raise TypeError(f"log={log!r}; expected None or a callable taking a dict")
         if progress is not None and not isinstance(progress, bool):
             raise TypeError(f"progress={progress!r}; expected None, True or False")
-        _check_count("checkpoint_every", checkpoint_every, 1, allow_none=True)
-        _check_count("accumulate", accumulate, 1)
-        _check_count("keep_checkpoints", keep_checkpoints, 1)
+        checkpoint_every = check_int(
+            "checkpoint_every", checkpoint_every, minimum=1, allow_none=True
+        )
+        accumulate = check_int("accumulate", accumulate, minimum=1)
+        keep_checkpoints = check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         if checkpoint_every is not None and run_dir is None:
             raise ValueError(
                 f"checkpoint_every={checkpoint_every} needs a run_dir; expected run_dir=<directory>"
@@ -179,11 +152,11 @@ class Trainer:
         self.rollout = rollout
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.checkpoint_every = checkpoint_every
-        self.accumulate = int(accumulate)
+        self.accumulate = accumulate
         self.guard = _guard_mode(nan_guard)
         self.log = log
         self.progress = progress
-        self.keep_checkpoints = int(keep_checkpoints)
+        self.keep_checkpoints = keep_checkpoints
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
             raise ValueError("devices=[]; expected at least one device")
@@ -217,10 +190,25 @@ class Trainer:
 
     # ----------------------------------------------------------------- batches
 
-    def _place(self, batch: Mapping[str, Any], where: str) -> dict[str, jax.Array]:
-        """Check a host batch and split it over the mesh's ``data`` axis."""
+    def _place(
+        self, batch: Mapping[str, Any], where: str, *, update: bool = False
+    ) -> dict[str, jax.Array]:
+        """Check a host batch and split it over the mesh's ``data`` axis.
+
+        ``update=True`` marks a batch an update will consume (``fit`` and ``train_step``
+        both place theirs here); it must hold at least one example, because the optimizer
+        would otherwise still commit a step (weight decay and momentum move the parameters
+        on a zero gradient) and count it in ``state.updates``.
+        """
         arrays = check_batch(batch, where=where)
-        rows = next(iter(arrays.values())).shape[0]
+        name, first = next(iter(arrays.items()))
+        rows = first.shape[0]
+        if update and rows == 0:
+            raise ValueError(
+                f"{where} has 0 rows (field {name!r} has shape {first.shape}); expected at "
+                "least one example: an update on an empty batch would still move the "
+                "parameters (weight decay, momentum)"
+            )
         devices = self.mesh.size // jax.process_count()
         if rows % devices:
             raise ValueError(
@@ -253,12 +241,13 @@ class Trainer:
             ``(new state, metrics)``; the metrics are device scalars.
 
         Raises:
-            ValueError, TypeError: a batch the objective refuses.
+            ValueError, TypeError: a batch with no rows, or one the objective refuses
+                (nothing is dispatched, so ``state`` is still usable).
 
         Example:
             >>> state, metrics = trainer.train_step(trainer.initial_state(), batch)  # doctest: +SKIP
         """
-        return self._update(state, self._place(batch, "batch"))
+        return self._update(state, self._place(batch, "batch", update=True))
 
     # ----------------------------------------------------------------- evaluation
 
@@ -278,7 +267,7 @@ class Trainer:
         Raises:
             ValueError: when ``data.val`` is None or yields no batches.
         """
-        _check_count("eval_batches", batches, 1, allow_none=True)
+        batches = check_int("batches", batches, minimum=1, allow_none=True)
         partition = Partition(jax.process_index(), jax.process_count())
         totals: dict[str, float] = {}
         count = 0
@@ -336,16 +325,16 @@ class Trainer:
         """
         if not isinstance(data, Dataset):
             raise TypeError(f"data is a {type(data).__name__}; expected a dew_pipe.Dataset")
-        _check_count("steps", steps, 0)
-        _check_count("log_every", log_every, 1)
-        _check_count("eval_every", eval_every, 1, allow_none=True)
-        _check_count("eval_batches", eval_batches, 1, allow_none=True)
+        steps = check_int("steps", steps, minimum=0)
+        log_every = check_int("log_every", log_every, minimum=1)
+        eval_every = check_int("eval_every", eval_every, minimum=1, allow_none=True)
+        eval_batches = check_int("eval_batches", eval_batches, minimum=1, allow_none=True)
         if eval_every is not None and data.val is None:
             raise ValueError(f"eval_every={eval_every} but Dataset.val is None; expected val data")
         partition = Partition(jax.process_index(), jax.process_count())
         rows = partition.local_batch(data.batch)
         checkpoints = self._checkpoints()
-        run = None
+        run: FitLoop | None = None
         try:
             meta: dict[str, Any] = {}
             if state is None and checkpoints is not None and checkpoints.latest() is not None:
@@ -353,175 +342,10 @@ class Trainer:
             elif state is None:
                 state = self.initial_state()
             position = meta.get("data") or {"consumed": int(state.step)}
-            run = _Run(self, data, partition, rows, state, position, meta, checkpoints)
+            run = FitLoop(self, data, partition, rows, state, position, meta, checkpoints)
             return run.loop(steps, log_every, eval_every, eval_batches)
         finally:
             if run is not None:
                 run.close()
             elif checkpoints is not None:
                 checkpoints.close()
-
-
-def _rollout_metrics(rollout: Any) -> dict[str, float]:
-    """The host metrics a rollout reports about its last call, as ``rollout/<name>``.
-
-    A rollout may offer ``metrics() -> Mapping[str, float]`` (rewards, lengths...); they
-    join that step's metrics, so records average them over the interval like the loss.
-    """
-    report = getattr(rollout, "metrics", None)
-    if report is None or not callable(report):
-        return {}
-    values = report()
-    if not isinstance(values, Mapping):
-        raise TypeError(
-            f"rollout.metrics() returned {type(values).__name__}; expected a mapping of "
-            "names to numbers"
-        )
-    out = {}
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"rollout.metrics()[{name!r}] is {value!r}; expected a real number")
-        out[f"rollout/{name}"] = float(value)
-    return out
-
-
-class _Run:
-    """One call of ``fit``: the loop and the host-side bookkeeping it needs."""
-
-    def __init__(
-        self,
-        trainer: Trainer,
-        data: Dataset,
-        partition: Partition,
-        rows: int,
-        state: TrainState,
-        position: dict[str, Any],
-        meta: dict[str, Any],
-        checkpoints: Checkpoints | None,
-    ) -> None:
-        self.trainer = trainer
-        self.data = data
-        self.rows = rows
-        self.state = state
-        self.step = int(state.step)
-        self.saved_step = self.step if meta else None
-        self.skipped = int(meta.get("skipped_nonfinite", 0))
-        self.checkpoints = checkpoints
-        self.stream: BatchStream | None = None
-        self.log: TrainLog | None = None
-        self.pending: dict[str, jax.Array] | None = None  # metrics whose guard is unresolved
-        self.shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
-        self._position = position
-        self._partition = partition
-
-    def loop(self, steps: int, log_every: int, eval_every: int | None, eval_batches: int | None):
-        trainer = self.trainer
-        if self.step >= steps:
-            return self.state
-        self.stream = BatchStream(self.data, self._partition, self._position)
-        self.log = TrainLog(
-            trainer.run_dir,
-            trainer.log,
-            trainer.progress,
-            steps=steps,
-            start=self.step,
-            examples_per_step=self.data.batch,
-            records=self.data.records,
-        )
-        read_ahead = max(0, int(getattr(trainer.rollout, "read_ahead", 1)))
-        while self.step < steps:
-            self.stream.fill(1 + read_ahead)  # overlaps the update still in flight
-            self.resolve()
-            batch = self.stream.next()
-            where = f"training batch {self.step + 1}"
-            check_batch(batch, self.rows, where=where)
-            reported: dict[str, float] = {}
-            if trainer.rollout is not None:
-                key = jax.random.fold_in(self.state.rng, _ROLLOUT_STREAM)
-                batch = trainer.rollout(self.state, batch, key)
-                reported = _rollout_metrics(trainer.rollout)
-            placed = trainer._place(batch, where)
-            self._check_shapes(placed, where)
-            self.state, self.pending = trainer._update(self.state, placed)
-            if reported:
-                self.pending = {**self.pending, **reported}
-            self.step += 1
-            self.log.add(self.pending)
-            due_log = self.step % log_every == 0 or self.step == steps
-            due_eval = eval_every is not None and self.step % eval_every == 0
-            due_save = self._save_due(steps)
-            if due_log or due_eval or due_save:
-                self.resolve()
-            if due_log:
-                self.log.flush(self.step, int(self.state.updates), self.skipped)
-            if due_eval:
-                self._eval(eval_batches)
-            if due_save:
-                self._save()
-        self.resolve()
-        return self.state
-
-    def _check_shapes(self, batch: Mapping[str, jax.Array], where: str) -> None:
-        shapes = {name: (tuple(v.shape), np.dtype(v.dtype)) for name, v in batch.items()}
-        if self.shapes is None:
-            self.shapes = shapes
-            return
-        for name in sorted(set(shapes) | set(self.shapes)):
-            now, first = shapes.get(name), self.shapes.get(name)
-            if now != first:
-                raise ValueError(
-                    f"{where} field {name!r} is {now} (shape, dtype) but the first batch had "
-                    f"{first}; expected one layout for every batch (a new layout would "
-                    "compile the update again)"
-                )
-
-    def _save_due(self, steps: int) -> bool:
-        if self.checkpoints is None:
-            return False
-        every = self.trainer.checkpoint_every
-        return self.step == steps or (every is not None and self.step % every == 0)
-
-    def resolve(self) -> None:
-        """Apply the NaN guard to the last dispatched step (a host-device sync)."""
-        if self.pending is None or self.trainer.guard is None:
-            self.pending = None
-            return
-        metrics, self.pending = self.pending, None
-        if bool(metrics["finite"]):
-            return
-        if self.trainer.guard == "skip":
-            self.skipped += 1
-            return
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        bad = [name for name, v in values.items() if not np.isfinite(v)]
-        step = self.step
-        self.step -= 1
-        raise NonFiniteError(
-            f"non-finite {', '.join(bad)} at step {step} (loss={values['loss']}, "
-            f"grad_norm={values['grad_norm']}); the update was not applied. Pass "
-            "nan_guard='skip' to skip such batches",
-            step,
-            values,
-            self.state,
-        )
-
-    def _eval(self, batches: int | None) -> None:
-        results = self.trainer.evaluate(self.state, self.data, batches)
-        record = {"step": self.step, "updates": int(self.state.updates)}
-        record.update({f"val/{name}": value for name, value in results.items()})
-        self.log.write(record)
-
-    def _save(self) -> None:
-        if self.saved_step == self.step:
-            return
-        meta = {"data": self.stream.position(), "skipped_nonfinite": self.skipped}
-        self.checkpoints.save(self.state, meta)
-        self.saved_step = self.step
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-        if self.log is not None:
-            self.log.close()
-        if self.checkpoints is not None:
-            self.checkpoints.close()
