@@ -2,8 +2,19 @@
 
 ``run_pack_job`` builds ``ReadSessions | PackSessions | WritePacked`` and runs it on a Beam
 runner; ``dew-pipe pack`` is its command line. The output folder holds one
-``packed-BBBBB-of-NNNNN.parquet`` per batch and ``manifest-*.parquet`` (see
-:mod:`dew_pipe.beam.packing` for what each holds and how it compares with ``pack``).
+``packed-BBBBB-of-NNNNN.parquet`` per batch, ``manifest-*.parquet`` (see
+:mod:`dew_pipe.beam.packing` for what each holds and how it compares with ``pack``) and
+``_SUCCESS``, the completion marker (JSON: the job's counters and files).
+
+**All or nothing.** The job writes into a staging folder beside the output
+(``.<name>.staging-<id>``, on the same file system) and publishes only once the runner
+reports DONE: on a local disk, when the output folder is missing or empty, by renaming the
+staging folder onto it (atomic); otherwise file by file, packed files first, then the
+manifest, then ``_SUCCESS`` last. A failed job removes its staging folder and leaves the
+output as it was, so a failure never leaves files that look finished, and an ``overwrite``
+that fails keeps the earlier complete output. ``read_manifest`` refuses a folder without
+``_SUCCESS`` (a publication cut short, or files of an unfinished writer). A folder holding an
+earlier job's files (complete or not) is refused unless ``overwrite``, so two runs never mix.
 
 **Runners.** ``"DirectRunner"`` (the default) runs on Beam's FnApiRunner in this process, or
 on ``workers`` local worker processes. Beam's own DirectRunner would first try the Prism
@@ -20,8 +31,11 @@ raised (naming the file or batch and the session), whichever runner carried it b
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +44,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
+from apache_beam.io.localfilesystem import LocalFileSystem
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -39,7 +54,8 @@ from dew_pipe.beam.sources import METRICS_NAMESPACE, ReadSessions, SessionDataEr
 
 __all__ = ["PackSummary", "read_manifest", "read_packed", "run_pack_job"]
 
-_OUTPUT_GLOBS = ("packed-*.parquet", "manifest-*.parquet")
+MARKER = "_SUCCESS"  # written last: its presence says the folder holds one finished job
+_OUTPUT_GLOBS = (MARKER, "packed-*.parquet", "manifest-*.parquet")  # marker first: see _publish
 # How a SessionDataError raised in a worker appears in the text Beam carries back: as the
 # exception itself (in process, with " [while running 'step']" appended) or as the last
 # line of a formatted traceback (worker processes, remote runners).
@@ -100,21 +116,22 @@ def run_pack_job(
     Args:
         inputs: file patterns of sessions (``.jsonl`` / ``.parquet``; see
             :class:`dew_pipe.beam.ReadSessions`).
-        output: folder for the packed files and the manifest; created if missing.
+        output: folder for the packed files, the manifest and ``_SUCCESS``; created if
+            missing. Nothing appears there unless the job succeeds (see the module docstring).
         width, rows, groups_per_batch, estimator, truncation, support_capacity: as
             :class:`dew_pipe.beam.PackSessions`.
         runner: ``"DirectRunner"`` (local, see the module docstring) or any Beam runner name.
         workers: local worker processes (DirectRunner); 1 runs in this process.
         beam_args: further Beam pipeline options, e.g. ``["--temp_location=gs://b/tmp"]``.
-        overwrite: remove packed files and manifests of an earlier job in ``output`` first;
-            without it such files are an error.
+        overwrite: replace the packed files, manifests and marker of an earlier job in
+            ``output`` once this job has succeeded; without it such files are an error.
 
     Returns:
         A :class:`PackSummary`.
 
     Raises:
-        ValueError: a bad argument, a pattern matching no file, or an output folder holding
-            an earlier job's files.
+        ValueError: a bad argument, a pattern matching no file, an output that is a file, or
+            an output folder holding an earlier job's files.
         SessionDataError: bad data found while running; names the file or batch and session.
 
     Example:
@@ -146,28 +163,28 @@ def run_pack_job(
     )
     read = ReadSessions(inputs)
     output = str(output)
-    _prepare_output(output, overwrite)
+    earlier = _check_output(output, overwrite)
+    staging = _staging(output)
     options = PipelineOptions(
         list(beam_args),
         direct_num_workers=workers,
         direct_running_mode="multi_processing" if workers > 1 else "in_memory",
     )
-    pipeline = beam.Pipeline(runner=_runner(runner), options=options)
-    _ = pipeline | "ReadSessions" >> read | "PackSessions" >> transform | WritePacked(output)
     start = time.perf_counter()
     try:
-        result = pipeline.run()
-        state = result.wait_until_finish()
-    except Exception as error:
-        message = _data_error(error)
-        if message is None:
-            raise
-        raise SessionDataError(message) from error
-    if state is not None and str(state) not in ("DONE", "PipelineState.DONE"):
-        raise RuntimeError(f"the Beam job ended in state {state}, expected DONE")
-    seconds = time.perf_counter() - start
-    counters = _counters(result)
-    files = tuple(sorted(_match(FileSystems.join(output, "packed-*.parquet"))))
+        FileSystems.mkdirs(staging)
+        pipeline = beam.Pipeline(runner=_runner(runner), options=options)
+        _ = pipeline | "ReadSessions" >> read | "PackSessions" >> transform | WritePacked(staging)
+        counters = _run(pipeline)
+        seconds = time.perf_counter() - start
+        staged = sorted(_match(FileSystems.join(staging, "packed-*.parquet")))
+        names = tuple(FileSystems.split(path)[1] for path in staged)
+        _write_marker(staging, counters, names, seconds)
+        _publish(staging, output, earlier)
+    except BaseException:
+        _remove(staging)  # nothing of a failed job stays behind, not even half a publication
+        raise
+    files = tuple(FileSystems.join(output, name) for name in names)
     return PackSummary(
         sessions=counters.get("sessions_read", 0),
         groups=counters.get("groups", 0),
@@ -197,18 +214,76 @@ def _match(pattern: str) -> list[str]:
         return []
 
 
-def _prepare_output(output: str, overwrite: bool) -> None:
+def _run(pipeline: beam.Pipeline) -> dict[str, int]:
+    """Run the job to the end; its counters. Bad data raises ``SessionDataError``."""
+    try:
+        result = pipeline.run()
+        state = result.wait_until_finish()
+    except Exception as error:
+        message = _data_error(error)
+        if message is None:
+            raise
+        raise SessionDataError(message) from error
+    if state is not None and str(state) not in ("DONE", "PipelineState.DONE"):
+        raise RuntimeError(f"the Beam job ended in state {state}, expected DONE")
+    return _counters(result)
+
+
+def _local(path: str) -> bool:
+    return isinstance(FileSystems.get_filesystem(path), LocalFileSystem)
+
+
+def _check_output(output: str, overwrite: bool) -> list[str]:
+    """The files of an earlier job in ``output`` (refused unless ``overwrite``)."""
+    if _local(output) and os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(f"output: {output} is a file; expected a folder (or a new path)")
     earlier = [p for g in _OUTPUT_GLOBS for p in _match(FileSystems.join(output, g))]
     if earlier and not overwrite:
         raise ValueError(
-            f"output: {output} already holds {len(earlier)} packed or manifest file(s) of an "
-            f"earlier job (e.g. {Path(earlier[0]).name}); pass overwrite=True (--overwrite) "
-            "or choose another folder"
+            f"output: {output} already holds {len(earlier)} packed or manifest file(s) or "
+            f"marker of an earlier job (e.g. {Path(earlier[0]).name}); pass overwrite=True "
+            "(--overwrite) or choose another folder"
         )
+    return earlier
+
+
+def _staging(output: str) -> str:
+    parent, name = FileSystems.split(output.rstrip("/") or output)
+    return FileSystems.join(parent, f".{name}.staging-{uuid.uuid4().hex[:12]}")
+
+
+def _write_marker(folder: str, counters: dict[str, int], files: tuple[str, ...], seconds: float):
+    record = {"counters": counters, "files": list(files), "seconds": round(seconds, 3)}
+    with FileSystems.create(FileSystems.join(folder, MARKER)) as handle:
+        handle.write((json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _publish(staging: str, output: str, earlier: list[str]) -> None:
+    """Move the staged files under their final names; the marker last."""
+    if _local(output) and not earlier:
+        try:
+            os.rename(staging, output)  # atomic; works onto a missing or an empty folder
+            return
+        except OSError:
+            pass  # the folder holds other files: publish file by file
     if earlier:
-        FileSystems.delete(earlier)
+        FileSystems.delete(earlier)  # the marker first (_OUTPUT_GLOBS' order): never a stale one
     if not FileSystems.exists(output):
         FileSystems.mkdirs(output)
+    staged = [
+        p for g in _OUTPUT_GLOBS[1:] + (MARKER,) for p in _match(FileSystems.join(staging, g))
+    ]
+    targets = [FileSystems.join(output, FileSystems.split(p)[1]) for p in staged]
+    FileSystems.rename(staged, targets)
+    _remove(staging)
+
+
+def _remove(folder: str) -> None:
+    try:
+        if FileSystems.exists(folder):
+            FileSystems.delete([folder])
+    except Exception:  # best effort: the error being raised, if any, matters more
+        pass
 
 
 def _data_error(error: BaseException) -> str | None:
@@ -256,16 +331,26 @@ def read_packed(path: str | Path) -> dict[str, np.ndarray]:
     return batches.packed_from_arrow(pa.RecordBatch.from_arrays(columns, schema=table.schema))
 
 
-def read_manifest(output: str | Path) -> pa.Table:
+def read_manifest(output: str | Path, *, require_complete: bool = True) -> pa.Table:
     """The manifest of a pack job's output folder, one row per input session.
 
     Rows are sorted by (batch, session_index). See ``dew_pipe.beam.MANIFEST_SCHEMA``.
 
+    Args:
+        output: the job's output folder.
+        require_complete: refuse a folder without the job's ``_SUCCESS`` marker (False for
+            a folder that ``WritePacked`` wrote in a pipeline of your own).
+
     Raises:
-        ValueError: the folder holds no manifest.
+        ValueError: the folder holds no manifest, or no ``_SUCCESS`` marker.
     """
     from dew_pipe.beam.packing import MANIFEST_SCHEMA
 
+    if require_complete and not FileSystems.exists(FileSystems.join(str(output), MARKER)):
+        raise ValueError(
+            f"output: {output} has no {MARKER} marker; the pack job that wrote it did not "
+            "finish (run it again with --overwrite)"
+        )
     paths = sorted(_match(FileSystems.join(str(output), "manifest-*.parquet")))
     if not paths:
         raise ValueError(f"output: no manifest-*.parquet in {output}; not a pack job's output")
