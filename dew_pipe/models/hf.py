@@ -171,7 +171,7 @@ def _open_tensors(directory: Path) -> Iterator[dict[str, Callable[[], np.ndarray
         for file in files:
             if not (directory / file).is_file():
                 raise FileNotFoundError(f"{index} lists shard {file}, which is missing")
-            handle = stack.enter_context(safe_open(str(directory / file), framework="numpy"))
+            handle = stack.enter_context(_safe_open(safe_open, directory / file))
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 loaders[name] = lambda handle=handle, name=name: handle.get_tensor(name)
         if index.is_file() and not single.is_file():
@@ -182,6 +182,17 @@ def _open_tensors(directory: Path) -> Iterator[dict[str, Callable[[], np.ndarray
                     f"{weight_map[absent[0]]} ({len(absent)} such tensors)"
                 )
         yield loaders
+
+
+def _safe_open(safe_open: Callable[..., Any], path: Path) -> Any:
+    """``safe_open`` on one file; its bare header errors name the file and its size."""
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as error:  # safetensors' SafetensorError: no file name, no hint
+        raise ValueError(
+            f"{path} ({path.stat().st_size} bytes) is not a readable safetensors file; it looks "
+            f"truncated or corrupt ({error})"
+        ) from error
 
 
 def _read_params(
@@ -257,8 +268,8 @@ def load_pretrained(
 
     Raises:
         FileNotFoundError: no such directory, config.json or weights file.
-        ValueError: an unsupported architecture or setting, or a missing, unexpected or
-            mis-shaped tensor (named).
+        ValueError: an unsupported architecture or setting, a missing, unexpected or
+            mis-shaped tensor (named), or a weights file that is truncated or corrupt (named).
 
     Example:
         >>> pretrained = load_pretrained("checkpoints/qwen3-0.6b")   # doctest: +SKIP
