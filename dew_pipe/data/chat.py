@@ -14,6 +14,11 @@ make that false, and the conversation is refused with its row number rather than
 wrongly. Passing the check does not prove a template's roles right; look at
 :meth:`ChatMessages.tokenized` for a few typical rows before a long run.
 
+Message content must be text (a string, or a list of text parts, joined); None is kept only on
+an assistant message with ``tool_calls``. Other content (a number, a dict, an image part) is
+refused naming the message's index and role, since a template would render it as nothing or
+as its repr and the tokens it should give would silently be lost.
+
 Rendering costs two template calls per message and one batched tokenizer call per conversation
 (prefix renders share it); ``Loading(workers=n)`` spreads conversations over processes.
 """
@@ -57,21 +62,80 @@ _ROLE_NAMES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSIS
 _ROLE_NAMES["tool"] = Role.TOOL
 
 
-def _message_roles(messages: Sequence[Mapping[str, Any]], where: str) -> list[Role]:
-    roles = []
+def _content(message: Mapping[str, Any], index: int, role: str, where: str) -> Any:
+    """The content to render: a string, or None on an assistant turn that calls tools."""
+    what = f"{where}: message {index} ({role})"
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if role == "assistant" and message.get("tool_calls"):
+            return None  # OpenAI's format: an assistant turn made only of tool calls
+        missing = "no content" if "content" not in message else "content None"
+        raise ValueError(
+            f"{what} has {missing}; expected a string (null content is allowed only on an "
+            "assistant message with tool_calls)"
+        )
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                part = part.get("text")
+            if not isinstance(part, str):
+                raise ValueError(
+                    f"{what}: content part {k} is {_describe(part)}; expected text parts only "
+                    '(strings or {"type": "text", "text": ...})'
+                )
+            texts.append(part)
+        return "".join(texts)
+    raise ValueError(
+        f"{what} has content {_describe(content)}; expected a string or a list of text parts "
+        "(it would render as nothing, or as its Python repr, and its tokens would be lost)"
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping) and "type" in value:
+        return f"a {type(value).__name__} of type {value['type']!r}"
+    return f"{type(value).__name__} {repr(value)[:40]}"
+
+
+def _checked_messages(
+    messages: Sequence[Any], where: str
+) -> tuple[list[dict[str, Any]], list[Role]]:
+    """Copies of ``messages`` with their content as the template should see it, and roles.
+
+    Content is refused unless it is text: a string; a list of text parts (a string or
+    ``{"type": "text", "text": ...}`` each), which becomes their concatenation, as this
+    project's chat template and transformers' multimodal templates render consecutive text
+    parts; or None (or absent) on an assistant message with ``tool_calls``, which OpenAI's
+    format allows. Anything else (a number, a dict, an image part) would be rendered as
+    nothing or as its repr by a template, and the tokens it should have given would be lost.
+    """
+    checked, roles = [], []
     for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(
+                f"{where}: message {index} is {type(message).__name__} {str(message)[:40]!r}; "
+                "expected a mapping with 'role' and 'content'"
+            )
         name = message.get("role")
         if name not in _ROLE_NAMES:
             raise ValueError(
                 f"{where}: message {index} has role {name!r}; expected one of {sorted(_ROLE_NAMES)}"
             )
+        copy = dict(message)
+        copy["content"] = _content(message, index, name, where)
+        if copy["content"] is None and "content" not in message:
+            del copy["content"]  # as given: a template may test for the key
+        checked.append(copy)
         roles.append(_ROLE_NAMES[name])
     if roles[0] not in (Role.SYSTEM, Role.USER):
         raise ValueError(
-            f"{where} starts with a {messages[0]['role']!r} message; expected a conversation "
+            f"{where} starts with a {checked[0]['role']!r} message; expected a conversation "
             "that starts with a system or user message"
         )
-    return roles
+    return checked, roles
 
 
 def _render(tokenizer: Any, messages: list, tools: list | None, prompt: bool, where: str) -> str:
@@ -110,7 +174,9 @@ def tokenize_conversation(
     Args:
         tokenizer: a transformers tokenizer with a chat template.
         messages: the conversation; it must start with a system or user message, and roles
-            are ``system``, ``user``, ``assistant`` or ``tool``.
+            are ``system``, ``user``, ``assistant`` or ``tool``. Content must be text: a
+            string, or a list of text parts (rendered as their concatenation); None or absent
+            only on an assistant message with ``tool_calls``.
         tools: tool schemas passed to the template as ``tools``, or None.
         where: how errors name the conversation (e.g. ``"row 3 of 'chat.jsonl'"``).
 
@@ -118,8 +184,10 @@ def tokenize_conversation(
         ``(ids, roles)``: int32 token ids of the whole render and int8 :class:`Role` values.
 
     Raises:
-        ValueError: an unknown role, a conversation that starts with an assistant or tool
-            message, a template error, or a template that is not append-only.
+        ValueError: a message that is not a mapping, an unknown role, content that is not
+            text (each naming the message's index and role), a conversation that starts with
+            an assistant or tool message, a template error, or a template that is not
+            append-only.
 
     Example:
         >>> from dew_pipe.data.tokenizer import build_tokenizer
@@ -131,8 +199,7 @@ def tokenize_conversation(
     """
     if not messages:
         raise ValueError(f"{where} has no messages; expected at least one")
-    message_roles = _message_roles(messages, where)
-    messages = [dict(m) for m in messages]
+    messages, message_roles = _checked_messages(messages, where)
     texts, header_of = [], {}
     for k, role in enumerate(message_roles):
         if role == Role.ASSISTANT:  # never k == 0: checked above
