@@ -4,9 +4,7 @@ Three kinds of batch cross stage boundaries, go to Parquet files and to Beam:
 
 * **tasks** (:data:`TASKS_SCHEMA`): one row per task a rollout should work on.
 * **sessions** (:func:`sessions_schema`): one row per harness session, with its model calls
-  as a nested list. The Python records (``Session``, ``Call``) live in
-  ``dew_pipe.objectives.rl.sessions``; this module only fixes the wire format and converts
-  plain dicts of arrays to and from it.
+  as a nested list.
 * **packed rows** (:func:`packed_schema`): a training batch of ``N`` rows ``W`` ids wide.
   Every ``[N, W]`` column is a ``FixedSizeList`` of width ``W`` so the width is part of the
   type, and a pipeline wired for ``W = 2048`` refuses a producer of ``W = 1024`` when it is
@@ -37,6 +35,12 @@ old_values          float32 [N, W]               (PPO) critic values recorded at
 returns             float32 [N, W]               (PPO) value targets
 ==================  ===========================  =============================================
 
+Tasks and sessions are defined in :mod:`dew_pipe.rollout_batches` (with the Arrow column
+helpers every batch is built with) and re-exported here; this module defines packed rows and
+the Parquet files all three are written to. The Python records (``Session``, ``Call``,
+``Task``) live in ``dew_pipe.objectives.rl.sessions``, and
+``dew_pipe.objectives.rl.session_arrow`` maps them onto the tasks and sessions rows.
+
 ``old_log_probs`` may be left out (``packed_schema(old_log_probs=False)``) when no raw policy
 likelihood exists yet; objectives then fall back to the behavior likelihoods.
 """
@@ -51,16 +55,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dew_pipe._records import (
+from dew_pipe.rollout_batches import (
     SESSION_STATUSES,
     TASKS_SCHEMA,
-    _fixed,
-    _np_dtype,
-    _routing_spec,
-    _shape,
+    fixed_list_type,
+    numpy_dtype,
+    routing_spec,
     sessions_from_arrow,
     sessions_schema,
     sessions_to_arrow,
+    shape_text,
     tasks_from_arrow,
     tasks_to_arrow,
 )
@@ -145,20 +149,24 @@ def packed_schema(
     for name, dtype in _ROW_COLUMNS.items():
         if name == "old_log_probs" and not old_log_probs:
             continue
-        fields.append(pa.field(name, _fixed(pa.from_numpy_dtype(dtype), [width]), False))
+        fields.append(pa.field(name, fixed_list_type(pa.from_numpy_dtype(dtype), [width]), False))
     if routed_experts is not None:
-        layers, top_k, dtype = _routing_spec(routed_experts)
+        layers, top_k, dtype = routing_spec(routed_experts)
         value = pa.from_numpy_dtype(dtype)
-        fields.append(pa.field("routed_experts", _fixed(value, [width, layers, top_k]), False))
-        fields.append(pa.field("routed", _fixed(pa.bool_(), [width]), False))
+        fields.append(
+            pa.field("routed_experts", fixed_list_type(value, [width, layers, top_k]), False)
+        )
+        fields.append(pa.field("routed", fixed_list_type(pa.bool_(), [width]), False))
     if support_capacity is not None:
         if not isinstance(support_capacity, int | np.integer) or support_capacity < 1:
             raise ValueError(f"support_capacity={support_capacity!r}: expected a positive int")
         for name in _SUPPORT_COLUMNS:
-            fields.append(pa.field(name, _fixed(pa.int32(), [support_capacity]), False))
+            fields.append(pa.field(name, fixed_list_type(pa.int32(), [support_capacity]), False))
     if ppo:
         for name, dtype in _PPO_COLUMNS.items():
-            fields.append(pa.field(name, _fixed(pa.from_numpy_dtype(dtype), [width]), False))
+            fields.append(
+                pa.field(name, fixed_list_type(pa.from_numpy_dtype(dtype), [width]), False)
+            )
     return pa.schema(fields)
 
 
@@ -175,7 +183,7 @@ def _infer_options(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
     ids = np.asarray(batch["input_ids"])
     if ids.ndim != 2:
         raise ValueError(
-            f"packed rows: column 'input_ids' has shape {_shape(ids)}, expected [N, W]"
+            f"packed rows: column 'input_ids' has shape {shape_text(ids)}, expected [N, W]"
         )
     for a, b in (("routed_experts", "routed"), ("support_ids", "support_columns")):
         if (a in batch) != (b in batch):
@@ -195,7 +203,7 @@ def _infer_options(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
         r = np.asarray(batch["routed_experts"])
         if r.ndim != 4 or not np.issubdtype(r.dtype, np.integer):
             raise ValueError(
-                f"packed rows: column 'routed_experts' is {r.dtype} {_shape(r)}, expected an "
+                f"packed rows: column 'routed_experts' is {r.dtype} {shape_text(r)}, expected an "
                 "integer array [N, W, layers, top_k]"
             )
         options["routed_experts"] = (int(r.shape[2]), int(r.shape[3]), r.dtype)
@@ -203,7 +211,7 @@ def _infer_options(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
         s = np.asarray(batch["support_ids"])
         if s.ndim != 2:
             raise ValueError(
-                f"packed rows: column 'support_ids' has shape {_shape(s)}, expected [N, C]"
+                f"packed rows: column 'support_ids' has shape {shape_text(s)}, expected [N, C]"
             )
         options["support_capacity"] = int(s.shape[1])
     return options
@@ -237,7 +245,7 @@ def _check_arrays(batch: Mapping[str, np.ndarray], options: dict[str, Any]) -> N
             )
         if value.dtype != dtype or value.shape != shape:
             raise ValueError(
-                f"packed rows: column {name!r} is {value.dtype} {_shape(value)}, expected "
+                f"packed rows: column {name!r} is {value.dtype} {shape_text(value)}, expected "
                 f"{dtype} {list(shape)}"
             )
 
@@ -293,7 +301,7 @@ def _check_schema(schema: pa.Schema) -> dict[str, Any]:
         t = schema.field("routed_experts").type if "routed_experts" in names else None
         try:
             dims = [t.list_size, t.value_type.list_size, t.value_type.value_type.list_size]
-            dtype = _np_dtype(t.value_type.value_type.value_type)
+            dtype = numpy_dtype(t.value_type.value_type.value_type)
             options["routed_experts"] = (dims[1], dims[2], dtype)
         except AttributeError as e:
             raise ValueError(

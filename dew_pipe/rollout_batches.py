@@ -1,6 +1,23 @@
-"""Arrow wire format of tasks and sessions, and the small Arrow helpers batches.py shares.
+"""The Arrow batches rollout reads and writes: tasks in, sessions out.
 
-Public names are re-exported by :mod:`dew_pipe.batches`; import them from there.
+Two of the three kinds of batch that cross stage boundaries, go to Parquet files and to Beam
+are defined here (the third, packed rows, is in :mod:`dew_pipe.batches`, which re-exports
+every public name of this module but the column helpers):
+
+* **tasks** (:data:`TASKS_SCHEMA`): one row per task a rollout should work on.
+* **sessions** (:func:`sessions_schema`): one row per harness session, with its model calls
+  as a nested list.
+
+This module fixes the wire format and converts plain rows (dicts of ids, likelihoods and
+text) to and from it, checking every field and naming the row that is wrong. The Python
+records (``Session``, ``Call``, ``Task``) live one floor up, in
+``dew_pipe.objectives.rl.sessions``; ``dew_pipe.objectives.rl.session_arrow`` maps them onto
+these rows (``to_arrow``, ``from_arrow``, ``task_row``).
+
+It also holds the column helpers every Arrow batch of dew_pipe is built with:
+:func:`list_array` and :func:`lists_to_numpy` (variable-length list columns from and to
+per-row NumPy arrays, in one concatenation / as views), :func:`fixed_list_type`,
+:func:`numpy_dtype`, :func:`routing_spec` and :func:`shape_text`.
 """
 
 from __future__ import annotations
@@ -12,8 +29,26 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+__all__ = [
+    "SESSION_STATUSES",
+    "TASKS_SCHEMA",
+    "fixed_list_type",
+    "list_array",
+    "lists_to_numpy",
+    "numpy_dtype",
+    "routing_spec",
+    "sessions_from_arrow",
+    "sessions_schema",
+    "sessions_to_arrow",
+    "shape_text",
+    "tasks_from_arrow",
+    "tasks_to_arrow",
+]
 
-def _np_dtype(t: pa.DataType) -> np.dtype:
+# ----------------------------------------------------------------------------- columns
+
+
+def numpy_dtype(t: pa.DataType) -> np.dtype:
     """The numpy dtype of a primitive Arrow type (without pyarrow's pandas shim)."""
     if pa.types.is_boolean(t):
         return np.dtype(np.bool_)
@@ -26,14 +61,23 @@ def _np_dtype(t: pa.DataType) -> np.dtype:
     raise TypeError(f"no numpy dtype for Arrow type {t}")
 
 
-def _fixed(value_type: pa.DataType, dims: Sequence[int]) -> pa.DataType:
+def fixed_list_type(value_type: pa.DataType, dims: Sequence[int]) -> pa.DataType:
     """Nested FixedSizeList type for an array of trailing shape ``dims``."""
     for size in reversed(dims):
         value_type = pa.list_(value_type, size)
     return value_type
 
 
-def _routing_spec(routed_experts: tuple[int, int, Any]) -> tuple[int, int, np.dtype]:
+def routing_spec(routed_experts: tuple[int, int, Any]) -> tuple[int, int, np.dtype]:
+    """``(layers, top_k, dtype)`` of a routing record, checked: the ``routed_experts=`` option.
+
+    Raises:
+      ValueError: not a triple, non-positive layers or top_k, or a non-integer dtype.
+
+    Example:
+      >>> routing_spec((2, 4, "uint8"))
+      (2, 4, dtype('uint8'))
+    """
     try:
         layers, top_k, dtype = routed_experts
         dtype = np.dtype(dtype)
@@ -49,8 +93,46 @@ def _routing_spec(routed_experts: tuple[int, int, Any]) -> tuple[int, int, np.dt
     return int(layers), int(top_k), dtype
 
 
-def _shape(a: np.ndarray) -> str:
+def shape_text(a: np.ndarray) -> str:
+    """An array's shape as error messages write it: ``[2, 3]``."""
     return "[" + ", ".join(str(d) for d in a.shape) + "]"
+
+
+def list_array(seqs: Sequence[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
+    """ListArray from per-row arrays (None = null row) in one concatenation.
+
+    Example:
+      >>> list_array([np.array([1, 2]), None, np.array([], np.int32)], pa.int32()).to_pylist()
+      [[1, 2], None, []]
+    """
+    lengths = np.array([0 if s is None else len(s) for s in seqs], dtype=np.int32)
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    parts = [s for s in seqs if s is not None and len(s)]
+    values = np.concatenate(parts) if parts else np.zeros(0, numpy_dtype(value_type))
+    mask = np.array([s is None for s in seqs]) if any(s is None for s in seqs) else None
+    return pa.ListArray.from_arrays(
+        pa.array(offsets),
+        pa.array(values, type=value_type),
+        mask=None if mask is None else pa.array(mask),
+    )
+
+
+def lists_to_numpy(column: pa.ListArray) -> list[np.ndarray | None]:
+    """Per-row numpy views of a list column (slices of its values, no copy for numbers).
+
+    Offsets index the whole child array (``.values``), which also holds for sliced columns
+    and for null rows backed by values.
+
+    Example:
+      >>> column = list_array([np.array([1, 2], np.int32), None], pa.int32())
+      >>> lists_to_numpy(column)
+      [array([1, 2], dtype=int32), None]
+    """
+    values = column.values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(column))]
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -77,27 +159,14 @@ def _int_ids(value: Any, where: str) -> np.ndarray:
     if arr.size == 0:
         return np.zeros(0, np.int32)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TypeError(f"{where}: expected a 1-D sequence of ints, got {arr.dtype} {_shape(arr)}")
+        raise TypeError(
+            f"{where}: expected a 1-D sequence of ints, got {arr.dtype} {shape_text(arr)}"
+        )
     if (arr < 0).any() or (arr > np.iinfo(np.int32).max).any():
         raise ValueError(
             f"{where}: holds {arr[(arr < 0) | (arr > 2**31 - 1)][0]}, expected ids in [0, 2**31)"
         )
     return arr.astype(np.int32, copy=False)
-
-
-def _list_array(seqs: Sequence[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
-    """ListArray from per-row arrays (None = null row) in one concatenation."""
-    lengths = np.array([0 if s is None else len(s) for s in seqs], dtype=np.int32)
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    parts = [s for s in seqs if s is not None and len(s)]
-    values = np.concatenate(parts) if parts else np.zeros(0, _np_dtype(value_type))
-    mask = np.array([s is None for s in seqs]) if any(s is None for s in seqs) else None
-    return pa.ListArray.from_arrays(
-        pa.array(offsets),
-        pa.array(values, type=value_type),
-        mask=None if mask is None else pa.array(mask),
-    )
 
 
 def tasks_to_arrow(rows: Iterable[Mapping[str, Any]]) -> pa.RecordBatch:
@@ -137,7 +206,7 @@ def tasks_to_arrow(rows: Iterable[Mapping[str, Any]]) -> pa.RecordBatch:
             if not isinstance(value, str):
                 raise TypeError(f"task {i}: {key}={value!r}, expected a str")
             text[key].append(value)
-    arrays = [pa.array(ids, pa.int64()), _list_array(prompts, pa.int32())]
+    arrays = [pa.array(ids, pa.int64()), list_array(prompts, pa.int32())]
     arrays += [pa.array(text[k], pa.string()) for k in _TASK_TEXT]
     return pa.RecordBatch.from_arrays(arrays, schema=TASKS_SCHEMA)
 
@@ -158,18 +227,6 @@ def _require_schema(batch: pa.RecordBatch, schema: pa.Schema, what: str) -> None
         raise ValueError(f"{what}: unknown column {extra[0]!r}; expected {schema.names}")
 
 
-def _lists_to_numpy(column: pa.ListArray) -> list[np.ndarray | None]:
-    """Per-row numpy views of a list column (slices of its values, no copy for numbers).
-
-    Offsets index the whole child array (``.values``), which also holds for sliced columns
-    and for null rows backed by values.
-    """
-    values = column.values.to_numpy(zero_copy_only=False)
-    offsets = column.offsets.to_numpy()
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(column))]
-
-
 def tasks_from_arrow(batch: pa.RecordBatch) -> list[dict[str, Any]]:
     """Rows of a :data:`TASKS_SCHEMA` batch as dicts (``prompt`` an int32 array or None).
 
@@ -179,7 +236,7 @@ def tasks_from_arrow(batch: pa.RecordBatch) -> list[dict[str, Any]]:
     """
     _require_schema(batch, TASKS_SCHEMA, "tasks")
     ids = batch.column("task_id").to_pylist()
-    prompts = _lists_to_numpy(batch.column("prompt"))
+    prompts = lists_to_numpy(batch.column("prompt"))
     text = {k: batch.column(k).to_pylist() for k in _TASK_TEXT}
     return [
         {"task_id": ids[i], "prompt": prompts[i], **{k: text[k][i] for k in _TASK_TEXT}}
@@ -216,10 +273,10 @@ def _call_type(routed_experts: tuple[int, int, Any] | None) -> pa.StructType:
         pa.field("support", pa.list_(pa.list_(pa.int32()))),  # kept ids per sampled id, or null
     ]
     if routed_experts is not None:
-        layers, top_k, dtype = _routing_spec(routed_experts)
+        layers, top_k, dtype = routing_spec(routed_experts)
         # one [layers, top_k] record per id of prompt_ids + sampled_ids, from the first;
         # a shorter list leaves the tail unrecorded; null when the call recorded no routing
-        value = _fixed(pa.from_numpy_dtype(dtype), [layers, top_k])
+        value = fixed_list_type(pa.from_numpy_dtype(dtype), [layers, top_k])
         fields.append(pa.field("routed_experts", pa.list_(value)))
     return pa.struct(fields)
 
@@ -252,7 +309,7 @@ def sessions_schema(*, routed_experts: tuple[int, int, Any] | None = None) -> pa
 def _floats(value: Any, where: str, length: int) -> np.ndarray:
     arr = np.asarray(value, dtype=np.float32) if value is not None else None
     if arr is None or arr.ndim != 1 or len(arr) != length:
-        got = "None" if arr is None else _shape(arr)
+        got = "None" if arr is None else shape_text(arr)
         raise ValueError(f"{where}: has shape {got}, expected [{length}] (one per sampled id)")
     if not np.isfinite(arr).all():
         raise ValueError(f"{where}: holds a non-finite value")
@@ -291,14 +348,14 @@ def _check_call(call: Mapping[str, Any], where: str, routing) -> dict[str, Any]:
         routed = np.asarray(routed)
         if routing is None:
             raise ValueError(
-                f"{where}.routed_experts: has shape {_shape(routed)}, expected "
+                f"{where}.routed_experts: has shape {shape_text(routed)}, expected "
                 "[ids, layers, top_k] integers (and routed_experts=(layers, top_k, dtype))"
             )
         layers, top_k, dtype = routing
         total = len(out["prompt_ids"]) + n
         if routed.ndim != 3 or routed.shape[1:] != (layers, top_k) or len(routed) > total:
             raise ValueError(
-                f"{where}.routed_experts: has shape {_shape(routed)}, expected [<= {total}, {layers}, {top_k}]"
+                f"{where}.routed_experts: has shape {shape_text(routed)}, expected [<= {total}, {layers}, {top_k}]"
             )
         if routed.dtype != dtype:
             raise ValueError(f"{where}.routed_experts: has dtype {routed.dtype}, expected {dtype}")
@@ -348,7 +405,7 @@ def _calls_array(calls: list[dict[str, Any]], call_type: pa.StructType, routing)
     for field in call_type:
         name = field.name
         if name in ("prompt_ids", "sampled_ids", "behavior_log_probs", "raw_log_probs"):
-            arrays.append(_list_array([c[name] for c in calls], field.type.value_type))
+            arrays.append(list_array([c[name] for c in calls], field.type.value_type))
         elif name == "finish_reason":
             arrays.append(pa.array([c[name] for c in calls], pa.string()))
         elif name == "version":
@@ -361,9 +418,7 @@ def _calls_array(calls: list[dict[str, Any]], call_type: pa.StructType, routing)
             np.cumsum(lengths, out=offsets[1:])
             mask = pa.array([per is None for per in inner], pa.bool_())
             arrays.append(
-                pa.ListArray.from_arrays(
-                    pa.array(offsets), _list_array(flat, pa.int32()), mask=mask
-                )
+                pa.ListArray.from_arrays(pa.array(offsets), list_array(flat, pa.int32()), mask=mask)
             )
         else:  # routed_experts
             layers, top_k, dtype = routing
@@ -417,7 +472,7 @@ def sessions_to_arrow(
         first = next((np.asarray(r) for r in recorded if r is not None), None)
         if first is not None and first.ndim == 3:
             routed_experts = (first.shape[1], first.shape[2], first.dtype)
-    routing = None if routed_experts is None else _routing_spec(routed_experts)
+    routing = None if routed_experts is None else routing_spec(routed_experts)
     sessions = [_check_session(row, i, routing) for i, row in enumerate(rows)]
     schema = sessions_schema(routed_experts=routed_experts)
     arrays = [pa.array([s[k] for s in sessions], t) for k, t in _SESSION_SCALARS.items()]
@@ -443,7 +498,7 @@ def _routing_of(schema: pa.Schema) -> tuple[int, int, np.dtype] | None:
     try:
         struct = schema.field("calls").type.value_type
         t = struct.field("routed_experts").type.value_type
-        return t.list_size, t.value_type.list_size, _np_dtype(t.value_type.value_type)
+        return t.list_size, t.value_type.list_size, numpy_dtype(t.value_type.value_type)
     except (KeyError, AttributeError, TypeError):
         return None  # no routing, or a malformed one that _require_schema will name
 
@@ -453,11 +508,11 @@ def _per_call(struct: pa.StructArray, routing) -> dict[str, list]:
     children = dict(zip([f.name for f in struct.type], struct.flatten(), strict=True))
     out: dict[str, list] = {}
     for name in ("prompt_ids", "sampled_ids", "behavior_log_probs", "raw_log_probs"):
-        out[name] = _lists_to_numpy(children[name])
+        out[name] = lists_to_numpy(children[name])
     out["finish_reason"] = children["finish_reason"].to_pylist()
     out["version"] = children["version"].to_pylist()
     support = children["support"]
-    inner = _lists_to_numpy(support.values)
+    inner = lists_to_numpy(support.values)
     offsets, valid = support.offsets.to_numpy(), support.is_valid().to_numpy(zero_copy_only=False)
     out["support"] = [
         inner[offsets[j] : offsets[j + 1]] if valid[j] else None for j in range(len(support))

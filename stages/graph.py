@@ -29,11 +29,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.messages import SchedulerRecord, task_row
+from dew_pipe.stages.messages import SchedulerRecord
 
 from dew_pipe.batches import TASKS_SCHEMA, tasks_to_arrow
 from dew_pipe.data.dataset import Dataset, Partition
 from dew_pipe.flow import Pipeline, Source
+from dew_pipe.objectives.rl.session_arrow import task_row
 from dew_pipe.objectives.rl.task_rows import task_ids
 
 __all__ = ["TaskBatches", "grpo_pipeline", "task_batch", "wire"]
@@ -108,7 +109,7 @@ def task_batch(tasks: list[Any]) -> pa.RecordBatch:
 
     Raises:
       ValueError: no tasks.
-      TypeError: a task whose ``data`` cannot cross stages (see ``messages.task_row``).
+      TypeError: a task whose ``data`` cannot cross stages (see ``session_arrow.task_row``).
 
     Example:
       >>> from dew_pipe.objectives.rl.sessions import Task

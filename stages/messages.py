@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dew_pipe._records import _list_array, _lists_to_numpy
-from dew_pipe.batches import sessions_schema
+from dew_pipe.objectives.rl.session_arrow import from_arrow, task_from_row, task_row, to_arrow
 from dew_pipe.objectives.rl.sessions import Session, Task
+from dew_pipe.rollout_batches import list_array, lists_to_numpy, sessions_schema
 
 __all__ = [
     "CAUSES",
@@ -64,8 +64,6 @@ __all__ = [
     "Stamps",
     "Step",
     "stamp_sessions",
-    "task_from_row",
-    "task_row",
     "unstamp_sessions",
 ]
 
@@ -101,58 +99,6 @@ class Stamps:
     task: Task | None = None
 
 
-def task_row(task: Task) -> dict[str, Any]:
-    """A :class:`Task` as a row of the tasks batch.
-
-    ``Task.data`` must be None (a task known by its id) or a mapping with any of
-    ``prompt`` (token ids), ``data_source``, ``ground_truth`` and ``extra_info`` (text),
-    as :func:`dew_pipe.objectives.rl.prompt_tasks` makes them.
-
-    Raises:
-      TypeError: ``data`` of another kind.
-      ValueError: a mapping with other keys.
-
-    Example:
-      >>> task_row(Task(4, {"prompt": [1, 2], "ground_truth": "7"}))["ground_truth"]
-      '7'
-    """
-    row: dict[str, Any] = {"task_id": task.id}
-    if task.data is None:
-        return row
-    if not isinstance(task.data, Mapping):
-        raise TypeError(
-            f"Task.data of task {task.id} is a {type(task.data).__name__}; tasks cross stages "
-            "as Arrow rows, so expected None or a mapping of prompt, data_source, "
-            "ground_truth, extra_info"
-        )
-    unknown = sorted(set(task.data) - {"prompt", *_TEXT})
-    if unknown:
-        raise ValueError(
-            f"Task.data of task {task.id} has key {unknown[0]!r}; expected only prompt, "
-            "data_source, ground_truth and extra_info"
-        )
-    row.update(task.data)
-    return row
-
-
-def task_from_row(row: Mapping[str, Any]) -> Task:
-    """The :class:`Task` a tasks-batch row stands for (the inverse of :func:`task_row`).
-
-    A row with no prompt and empty metadata is an id-only task (``data`` None); any other
-    row gives ``data = {"prompt", "data_source", "ground_truth", "extra_info"}``.
-
-    Example:
-      >>> task_from_row({"task_id": 3, "prompt": None, "data_source": "",
-      ...                "ground_truth": "", "extra_info": ""})
-      Task(id=3, data=None)
-    """
-    text = {k: row.get(k, "") or "" for k in _TEXT}
-    prompt = row.get("prompt")
-    if prompt is None and not any(text.values()):
-        return Task(int(row["task_id"]), None)
-    return Task(int(row["task_id"]), {"prompt": prompt, **text})
-
-
 def stamp_sessions(sessions: Sequence[Session], stamps: Sequence[Stamps]) -> pa.RecordBatch:
     """Sessions and their stamps as one :data:`SESSION_ROWS` batch (with ``calls``).
 
@@ -162,8 +108,6 @@ def stamp_sessions(sessions: Sequence[Session], stamps: Sequence[Stamps]) -> pa.
       >>> stamp_sessions([s], [Stamps(0, 0, 0.5)]).column("latency").to_pylist()
       [0.5]
     """
-    from dew_pipe.objectives.rl.session_arrow import to_arrow
-
     if len(sessions) != len(stamps):
         raise ValueError(f"stamps: {len(stamps)} for {len(sessions)} sessions, expected one each")
     rb = to_arrow(list(sessions))
@@ -174,7 +118,7 @@ def stamp_sessions(sessions: Sequence[Session], stamps: Sequence[Stamps]) -> pa.
         "submitted_version": pa.array([s.submitted_version for s in stamps], pa.int32()),
         "latency": pa.array([float(s.latency) for s in stamps], pa.float64()),
         "cause": pa.array([s.cause for s in stamps], pa.string()),
-        "prompt": _list_array(prompts, pa.int32()),
+        "prompt": list_array(prompts, pa.int32()),
     }
     columns.update({k: pa.array([r.get(k, "") for r in rows], pa.string()) for k in _TEXT})
     for field in _STAMPS:
@@ -188,13 +132,11 @@ def unstamp_sessions(batch: pa.RecordBatch) -> tuple[list[Session], list[Stamps]
     Raises:
       ValueError: a batch without the stamp columns or ``calls``, naming the column.
     """
-    from dew_pipe.objectives.rl.session_arrow import from_arrow
-
     for field in (*_STAMPS, pa.field("calls", pa.null())):
         if field.name not in batch.schema.names:
             raise ValueError(f"stamped sessions: missing column {field.name!r}")
     sessions = from_arrow(batch.select(sessions_schema().names))
-    prompts = _lists_to_numpy(batch.column("prompt"))
+    prompts = lists_to_numpy(batch.column("prompt"))
     text = {k: batch.column(k).to_pylist() for k in _TEXT}
     tasks = [
         {"task_id": s.task, "prompt": prompts[i], **{k: text[k][i] for k in _TEXT}}

@@ -34,11 +34,11 @@ from dew_pipe.stages.messages import (
     Plan,
     Stamps,
     stamp_sessions,
-    task_from_row,
 )
 
 from dew_pipe.batches import TASKS_SCHEMA, tasks_from_arrow
 from dew_pipe.flow import Cancelled, EndOfStream, Port, Stage, StageContext
+from dew_pipe.objectives.rl.session_arrow import task_from_row
 from dew_pipe.objectives.rl.sessions import Session, Status, Task
 
 __all__ = ["Rollout"]

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import dew_pipe._records
+import dew_pipe.rollout_batches
 from dew_pipe import batches as B
 
 N, W = 3, 8
@@ -53,7 +53,7 @@ def _values_address(column: pa.Array) -> int:
 
 
 def test_docstring_examples_run():
-    for module in (B, dew_pipe._records):
+    for module in (B, dew_pipe.rollout_batches):
         failed, attempted = doctest.testmod(module, raise_on_error=False)
         assert attempted > 5 and failed == 0
 

@@ -354,11 +354,11 @@ def test_arguments_are_checked_before_running(tmp_path):
         run_pack_job(str(tmp_path / "none-*.jsonl"), tmp_path / "out", width=8)
     with pytest.raises(ValueError, match="ends in neither"):
         run_pack_job(str(tmp_path / "s.csv"), tmp_path / "out", width=8)
-    with pytest.raises(ValueError, match="width: expected an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="width is 0; expected an int >= 1"):
         run_pack_job(str(path), tmp_path / "out", width=0)
     with pytest.raises(ValueError, match="estimator: expected one of"):
         run_pack_job(str(path), tmp_path / "out", width=8, estimator="ppo")
-    with pytest.raises(ValueError, match="groups_per_batch: expected None or an int >= 1"):
+    with pytest.raises(ValueError, match="groups_per_batch is 0; expected None or an int >= 1"):
         run_pack_job(str(path), tmp_path / "out", width=8, groups_per_batch=0)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "packed-00000-of-00001.parquet").write_bytes(b"")

@@ -12,8 +12,6 @@ from dew_pipe.stages.messages import (
     SchedulerRecord,
     Stamps,
     stamp_sessions,
-    task_from_row,
-    task_row,
     unstamp_sessions,
 )
 from rollout_fakes import FakeSource, FakeWeights, Outcome
@@ -21,6 +19,7 @@ from rollout_fakes import FakeSource, FakeWeights, Outcome
 from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow, packed_schema, packed_to_arrow
 from dew_pipe.data.dataset import Dataset
 from dew_pipe.flow import BuildError, Pipeline, Sink, Source, StageFailed
+from dew_pipe.objectives.rl.session_arrow import task_from_row, task_row
 from dew_pipe.objectives.rl.sessions import Call, Session, Task, pack
 
 W = 16

@@ -12,27 +12,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import apache_beam as beam
-import numpy as np
 import pyarrow as pa
 
 from dew_pipe import batches
-from dew_pipe.beam.sources import SessionDataError, convert_rows, session_row
+from dew_pipe._validate import check_int
+from dew_pipe.beam.sources import SessionDataError, convert_rows
+from dew_pipe.objectives.rl.session_arrow import session_row
 from dew_pipe.objectives.rl.sessions import Session
+from dew_pipe.rollout_batches import routing_spec
 
 __all__ = ["JournalSessions"]
-
-
-def _routing_spec(routed_experts: Any) -> tuple[int, int, np.dtype] | None:
-    if routed_experts is None:
-        return None
-    try:
-        layers, top_k, dtype = routed_experts
-        return int(layers), int(top_k), np.dtype(dtype)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"routed_experts: expected None or (layers, top_k, integer dtype), got "
-            f"{routed_experts!r}"
-        ) from error
 
 
 def sessions_table(sessions: Sequence[Session], routed_experts: Any = None) -> pa.Table:
@@ -42,7 +31,7 @@ def sessions_table(sessions: Sequence[Session], routed_experts: Any = None) -> p
         SessionDataError: a session the schema cannot hold (routing when none was declared,
             routing of another shape or dtype, a value beyond int32); names the session.
     """
-    spec = _routing_spec(routed_experts)
+    spec = None if routed_experts is None else routing_spec(routed_experts)
     rows = [(session_row(s), s) for s in sessions]
     if spec is None:
         for session in sessions:
@@ -76,7 +65,7 @@ class JournalSessions(beam.PTransform):
         (from ``expand``) a PCollection of the written file names.
 
     Raises:
-        ValueError: (when built) a bad argument.
+        TypeError, ValueError: (when built) a bad argument.
         SessionDataError: (when run) a session the schema cannot hold; names the session.
 
     Example:
@@ -102,11 +91,10 @@ class JournalSessions(beam.PTransform):
         super().__init__()
         if not isinstance(file_path_prefix, str) or not file_path_prefix:
             raise ValueError(f"file_path_prefix: expected a path, got {file_path_prefix!r}")
-        self.spec = _routing_spec(routed_experts)
-        for name, value, low in (("num_shards", num_shards, 0), ("batch_size", batch_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-        self.prefix, self.num_shards, self.batch_size = file_path_prefix, num_shards, batch_size
+        self.spec = None if routed_experts is None else routing_spec(routed_experts)
+        self.num_shards = check_int("num_shards", num_shards, minimum=0)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.prefix = file_path_prefix
 
     def expand(self, sessions: beam.PCollection) -> beam.PCollection:
         return (

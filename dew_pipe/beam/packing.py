@@ -42,9 +42,11 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
+from dew_pipe._validate import check_int
 from dew_pipe.beam.sources import METRICS_NAMESPACE, SessionDataError
 from dew_pipe.objectives.rl.advantages import ESTIMATORS, compute_advantages
-from dew_pipe.objectives.rl.packing import TRUNCATIONS, pack, session_chains
+from dew_pipe.objectives.rl.packing import TRUNCATIONS, pack, session_chains, trains
+from dew_pipe.objectives.rl.session_arrow import session_row
 from dew_pipe.objectives.rl.sessions import Session, Status
 
 __all__ = [
@@ -75,11 +77,8 @@ MANIFEST_SCHEMA = pa.schema(
 )
 
 
-def _trains(session: Session, truncation: str) -> bool:
-    # pack's rule (see dew_pipe.objectives.rl.packing); tests/test_beam.py checks they agree
-    if session.status in (Status.COMPLETED, Status.AGENT_ERROR):
-        return True
-    return session.status is Status.TRUNCATED and truncation != "mask"
+# The manifest's columns that are the session's own, written as the sessions batch writes them.
+_SESSION_COLUMNS = ("task_id", "group", "sample", "attempt", "status", "reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +152,7 @@ def score_group(
             ordered[k - 1].attempt,
         ):
             raise SessionDataError(f"session ({session.describe()}): appears twice in the input")
-        if not _trains(session, truncation):
+        if not trains(session, truncation):
             chains.append(0)
             continue
         chains.append(_check_chains(session, width))
@@ -167,7 +166,7 @@ def score_group(
         else:
             rewards.append(session.reward)
     scored = iter(compute_advantages(np.asarray(rewards), np.zeros(len(rewards)), estimator))
-    advantages = tuple(float(next(scored)) if _trains(s, truncation) else None for s in ordered)
+    advantages = tuple(float(next(scored)) if trains(s, truncation) else None for s in ordered)
     return ScoredGroup(key[0], key[1], tuple(ordered), advantages, tuple(chains))
 
 
@@ -236,14 +235,10 @@ def pack_groups(
         for session, advantage, chains in zip(
             group.sessions, group.advantages, group.chains, strict=True
         ):
+            row = session_row(session)
             manifest.append(
                 {
-                    "task_id": session.task,
-                    "group": session.group,
-                    "sample": session.sample,
-                    "attempt": session.attempt,
-                    "status": session.status.name,
-                    "reward": session.reward,
+                    **{name: row[name] for name in _SESSION_COLUMNS},
                     "trains": advantage is not None,
                     "advantage": advantage,
                     "chains": chains,
@@ -318,7 +313,7 @@ class PackSessions(beam.PTransform):
         (from ``expand``) a PCollection of :class:`PackedBatch`.
 
     Raises:
-        ValueError: (when built) a bad argument.
+        TypeError, ValueError: (when built) a bad argument.
         SessionDataError: (when run) a session twice, a chain longer than ``width``, a
             training session without reward, a batch needing more than ``rows`` rows.
 
@@ -343,18 +338,18 @@ class PackSessions(beam.PTransform):
         support_capacity: int | None = None,
     ) -> None:
         super().__init__()
-        _check_positive("width", width, optional=False)
+        width = check_int("width", width, minimum=1)
         for name, value in (
             ("rows", rows),
             ("groups_per_batch", groups_per_batch),
             ("support_capacity", support_capacity),
         ):
-            _check_positive(name, value)
+            check_int(name, value, minimum=1, allow_none=True)
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator: expected one of {sorted(ESTIMATORS)}, got {estimator!r}")
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation: expected one of {list(TRUNCATIONS)}, got {truncation!r}")
-        self.width, self.groups_per_batch = int(width), groups_per_batch
+        self.width, self.groups_per_batch = width, groups_per_batch
         self.estimator, self.truncation = estimator, truncation
         self.rows, self.support_capacity = rows, support_capacity
 
@@ -385,14 +380,6 @@ class PackSessions(beam.PTransform):
             | "GroupByBatch" >> beam.GroupByKey()
             | "Pack" >> beam.ParDo(_Pack(**options))
         )
-
-
-def _check_positive(name: str, value: Any, *, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        expected = "None or an int >= 1" if optional else "an int >= 1"
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
 class _WriteBatch(beam.DoFn):

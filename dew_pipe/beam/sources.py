@@ -7,7 +7,8 @@ Two file formats carry recorded sessions, told apart by their suffix:
   ``sample``, ``attempt``, ``status``, ``reward``, ``components``, ``detail`` and ``calls``,
   each call with ``prompt_ids``, ``sampled_ids``, ``behavior_log_probs``, ``raw_log_probs``,
   ``finish_reason``, ``version``, ``support``, ``routed_experts``). :func:`session_to_json`
-  writes exactly that object. JSON has no integer widths, so routing read from JSON lines is
+  writes exactly that object: ``session_row`` of :mod:`dew_pipe.objectives.rl.session_arrow`
+  with its arrays as lists. JSON has no integer widths, so routing read from JSON lines is
   int64; likelihoods written from float32 read back bit for bit.
 * **Parquet** (``.parquet``) of :func:`dew_pipe.batches.sessions_schema`: what
   :func:`dew_pipe.objectives.rl.sessions.to_arrow` produces and what
@@ -31,7 +32,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from dew_pipe import batches
-from dew_pipe.objectives.rl.session_arrow import from_arrow
+from dew_pipe.objectives.rl.session_arrow import from_arrow, session_row
 from dew_pipe.objectives.rl.sessions import Session
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
     "PARQUET_SUFFIXES",
     "ReadSessions",
     "SessionDataError",
-    "session_row",
+    "convert_rows",
     "session_to_json",
 ]
 
@@ -62,49 +63,6 @@ class SessionDataError(ValueError):
     is wrong. Raised inside a Beam worker, it reaches the caller of
     :func:`dew_pipe.beam.run_pack_job` as itself, without Beam's stack.
     """
-
-
-def session_row(session: Session) -> dict[str, Any]:
-    """A session as the row mapping :func:`dew_pipe.batches.sessions_to_arrow` takes.
-
-    Arrays stay NumPy arrays (no copy); :func:`session_to_json` makes them lists.
-
-    Args:
-        session: the record.
-
-    Returns:
-        ``{"task_id", "group", "sample", "attempt", "status", "reward", "components",
-        "detail", "calls"}``.
-
-    Example:
-        >>> from dew_pipe.objectives.rl.sessions import Call
-        >>> s = Session(3, 0, 1, 0, [Call([1, 2], [3], [-0.5], "stop", 0)], "COMPLETED", 1.0)
-        >>> session_row(s)["calls"][0]["sampled_ids"].tolist()
-        [3]
-    """
-    return {
-        "task_id": session.task,
-        "group": session.group,
-        "sample": session.sample,
-        "attempt": session.attempt,
-        "status": session.status.name,
-        "reward": session.reward,
-        "components": dict(session.components),
-        "detail": session.detail,
-        "calls": [
-            {
-                "prompt_ids": call.prompt_ids,
-                "sampled_ids": call.sampled_ids,
-                "behavior_log_probs": call.behavior_log_probs,
-                "raw_log_probs": call.log_probs,
-                "finish_reason": call.finish_reason,
-                "version": call.version,
-                "support": None if call.support is None else list(call.support),
-                "routed_experts": call.routed_experts,
-            }
-            for call in session.calls
-        ],
-    }
 
 
 def _plain(value: Any) -> Any:

@@ -21,7 +21,10 @@ INFRA_ERROR and CANCELLED sessions never train: no rows, no part in any baseline
 sessions follow ``truncation``: ``"mask"`` treats them like infrastructure failures,
 ``"score"`` trains them on their reward, ``"zero"`` trains them on reward 0. Advantages are
 computed over the training sessions of each (task, group) by the named estimator
-(:mod:`dew_pipe.objectives.rl.advantages`).
+(:mod:`dew_pipe.objectives.rl.advantages`). A session is known by (task, group, sample,
+attempt), and a batch holds each session once: ``pack`` refuses a second copy, which would
+otherwise train twice and count twice in its group's baseline. :func:`trains` and
+:func:`session_chains` are these rules as functions, for whatever reports on a packed batch.
 
 **Columns** (all ``[rows, width]`` unless noted; "sampled" = positions of sampled ids):
 
@@ -66,8 +69,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.objectives.rl.advantages import ESTIMATORS, compute_advantages
-from dew_pipe.objectives.rl.sessions import Call, Session, Status
+from dew_pipe.objectives.rl.session_records import Call, Session, Status, check_sessions
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -117,20 +121,28 @@ def _extends(call: Call, previous: Call) -> bool:
     )
 
 
-def _check_common(sessions: Any, width: Any, truncation: Any) -> int:
-    if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
-        raise TypeError(f"sessions: expected a sequence of Session, got {type(sessions).__name__}")
-    for i, session in enumerate(sessions):
-        if not isinstance(session, Session):
-            raise TypeError(f"sessions[{i}]: expected a Session, got {type(session).__name__}")
-    if isinstance(width, bool) or not isinstance(width, int | np.integer) or width < 1:
-        raise ValueError(f"width: expected a positive int, got {width!r}")
+def check_truncation(truncation: Any) -> str:
+    """``truncation`` when it is one of :data:`TRUNCATIONS`.
+
+    Raises:
+        ValueError: anything else.
+    """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation: expected one of {list(TRUNCATIONS)}, got {truncation!r}")
-    return int(width)
+    return truncation
 
 
-def _trains(session: Session, truncation: str) -> bool:
+def trains(session: Session, truncation: str) -> bool:
+    """Whether ``session`` trains (takes rows and a part in its group's baseline).
+
+    COMPLETED and AGENT_ERROR sessions always do, INFRA_ERROR and CANCELLED ones never;
+    TRUNCATED ones do unless ``truncation`` is ``"mask"``.
+
+    Example:
+        >>> s = Session(0, 0, 0, 0, [], "TRUNCATED")
+        >>> trains(s, "mask"), trains(s, "score")
+        (False, True)
+    """
     if session.status in _ALWAYS:
         return True
     if session.status in _NEVER:
@@ -138,11 +150,17 @@ def _trains(session: Session, truncation: str) -> bool:
     return truncation != "mask"
 
 
+def _check_common(sessions: Any, width: Any, truncation: Any) -> int:
+    check_sessions(sessions)
+    check_truncation(truncation)
+    return check_int("width", width, minimum=1)
+
+
 def _plan(
     sessions: Sequence[Session], width: int, truncation: str
 ) -> tuple[list[int], list[tuple[int, list[int]]], np.ndarray]:
     """Training sessions, their chains (session, call indices) and the chain lengths."""
-    training = [i for i, s in enumerate(sessions) if _trains(s, truncation)]
+    training = [i for i, s in enumerate(sessions) if trains(s, truncation)]
     chains: list[tuple[int, list[int]]] = []
     lengths: list[int] = []
     for i in training:
@@ -220,8 +238,7 @@ def rows_needed(lengths: Any, width: int) -> int:
         >>> rows_needed([5, 3, 4, 4], width=8)
         2
     """
-    if isinstance(width, bool) or not isinstance(width, int | np.integer) or width < 1:
-        raise ValueError(f"width: expected a positive int, got {width!r}")
+    width = check_int("width", width, minimum=1)
     array = np.asarray(lengths)
     if array.size == 0:
         return 0
@@ -231,7 +248,7 @@ def rows_needed(lengths: Any, width: int) -> int:
         raise ValueError(
             f"lengths: expected values in [1, {width}], got {array.min()}..{array.max()}"
         )
-    return _place(array.astype(np.int64), int(width))[2]
+    return _place(array.astype(np.int64), width)[2]
 
 
 def _rewards(sessions: Sequence[Session], training: list[int], truncation: str) -> np.ndarray:
@@ -260,11 +277,20 @@ def _group_ids(sessions: Sequence[Session], training: list[int]) -> np.ndarray:
 def _check_counts(rows: Any, support_capacity: Any, estimator: Any) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: expected one of {sorted(ESTIMATORS)}, got {estimator!r}")
-    for name, value, low in (("rows", rows, 0), ("support_capacity", support_capacity, 1)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low
-        ):
-            raise ValueError(f"{name}: expected None or an int >= {low}, got {value!r}")
+    check_int("rows", rows, minimum=0, allow_none=True)
+    check_int("support_capacity", support_capacity, minimum=1, allow_none=True)
+
+
+def _check_unique(sessions: Sequence[Session]) -> None:
+    """Refuse a session given twice: it would take rows twice and count twice in its baseline."""
+    seen: dict[tuple[int, int, int, int], int] = {}
+    for i, s in enumerate(sessions):
+        first = seen.setdefault((s.task, s.group, s.sample, s.attempt), i)
+        if first != i:
+            raise ValueError(
+                f"sessions[{i}] ({s.describe()}): the same session as sessions[{first}]; "
+                "each (task, group, sample, attempt) may appear once in a batch"
+            )
 
 
 def pack(
@@ -299,8 +325,10 @@ def pack(
         batch as a ``pyarrow.RecordBatch`` when ``arrow`` is true.
 
     Raises:
-        TypeError: a session is not a Session.
-        ValueError: bad arguments; a chain longer than ``width`` (names the session); fewer
+        TypeError: a session is not a Session; an integer argument that is not an int.
+        ValueError: bad arguments; the same session twice (one (task, group, sample,
+            attempt) at two indices; names both); a chain longer than ``width`` (names the
+            session); fewer
             ``rows`` than the chains need (names the rows needed); a training session
             without a reward; support without ``support_capacity`` or overflowing it (names
             the row and the capacity needed); routing records of different shapes.
@@ -317,6 +345,7 @@ def pack(
     """
     width = _check_common(sessions, width, truncation)
     _check_counts(rows, support_capacity, estimator)
+    _check_unique(sessions)
     routing = _routing_spec(sessions)
     supported = any(c.support is not None for s in sessions for c in s.calls)
     if supported and support_capacity is None:

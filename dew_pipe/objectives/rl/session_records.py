@@ -5,9 +5,10 @@ and the likelihoods it reported for them. A :class:`Session` is one run of a har
 :class:`Task`: its calls in submission order, how it ended (:class:`Status`) and what the
 verifier said. A :class:`SessionSource` turns tasks into futures of sessions.
 
-These records are the in-memory API. Importable from here too: :func:`pack` turns a list of
-sessions into packed training rows, :func:`to_arrow` / :func:`from_arrow` move sessions
-across stages and files as the Arrow sessions batch of :mod:`dew_pipe.batches`.
+These records are the in-memory API; import them from their public path,
+:mod:`dew_pipe.objectives.rl.sessions`, which also carries the functions over them (``pack``,
+``session_metrics``, ``to_arrow``...). They are defined here, apart from that module, so the
+modules of those functions can import the records without an import circle.
 
 Arrays held by a record are NumPy arrays that the record never writes to: ids are int32,
 likelihoods float32, routing keeps the engine's integer dtype. Records compare equal when
@@ -21,48 +22,13 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-if TYPE_CHECKING:  # defined in modules that import this one; see __getattr__ below
-    from dew_pipe.objectives.rl.packing import chain_lengths, pack, rows_needed
-    from dew_pipe.objectives.rl.session_arrow import from_arrow, to_arrow
-    from dew_pipe.objectives.rl.session_stats import session_metrics
-
-__all__ = [
-    "Call",
-    "Session",
-    "SessionSource",
-    "Status",
-    "Task",
-    "chain_lengths",
-    "from_arrow",
-    "pack",
-    "rows_needed",
-    "session_metrics",
-    "to_arrow",
-]
+__all__ = ["Call", "Session", "SessionSource", "Status", "Task", "check_sessions"]
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-# Names defined in sibling modules that import this one; resolved on first use.
-_LAZY = {
-    "pack": "dew_pipe.objectives.rl.packing",
-    "chain_lengths": "dew_pipe.objectives.rl.packing",
-    "rows_needed": "dew_pipe.objectives.rl.packing",
-    "session_metrics": "dew_pipe.objectives.rl.session_stats",
-    "to_arrow": "dew_pipe.objectives.rl.session_arrow",
-    "from_arrow": "dew_pipe.objectives.rl.session_arrow",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Status(enum.StrEnum):
@@ -419,6 +385,27 @@ def _finite(field: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{field}: expected a finite number, got {value}")
     return value
+
+
+def check_sessions(sessions: Any) -> None:
+    """Check that ``sessions`` is a sequence of :class:`Session` (what ``pack`` and friends take).
+
+    Raises:
+        TypeError: a single Session or a non-sequence, or an element that is not a Session
+            (naming its index).
+
+    Example:
+        >>> check_sessions([Session(0, 0, 0, 0, [], "CANCELLED")])
+        >>> check_sessions([None])
+        Traceback (most recent call last):
+        ...
+        TypeError: sessions[0]: expected a Session, got NoneType
+    """
+    if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
+        raise TypeError(f"sessions: expected a sequence of Session, got {type(sessions).__name__}")
+    for i, session in enumerate(sessions):
+        if not isinstance(session, Session):
+            raise TypeError(f"sessions[{i}]: expected a Session, got {type(session).__name__}")
 
 
 @runtime_checkable

@@ -1,4 +1,8 @@
-"""Metrics over a batch of sessions and the packed rows built from them."""
+"""Metrics over a batch of sessions and the packed rows built from them: :func:`session_metrics`.
+
+It counts chains and training sessions by the rules of :mod:`~dew_pipe.objectives.rl.packing`
+(``session_chains``, ``trains``), so the figures describe exactly what ``pack`` trained on.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from dew_pipe.objectives.rl.packing import _check_common, _trains, session_chains
-from dew_pipe.objectives.rl.sessions import Session, Status
+from dew_pipe._validate import check_int
+from dew_pipe.objectives.rl.packing import check_truncation, session_chains, trains
+from dew_pipe.objectives.rl.session_records import Session, Status, check_sessions
 
 __all__ = ["session_metrics"]
 
@@ -51,7 +56,8 @@ def session_metrics(
         ``{name: float}``.
 
     Raises:
-        ValueError: misaligned latencies, a negative or non-finite latency, a session
+        TypeError: not a sequence of Session, or a ``version`` that is not an int.
+        ValueError: an unknown ``truncation``, a negative ``version``, misaligned latencies, a negative or non-finite latency, a session
             version newer than ``version``, or a batch that does not match the sessions.
 
     Example:
@@ -62,7 +68,8 @@ def session_metrics(
         >>> m["masked/truncated"], m["masked/completed"], m["version/lag_max"]
         (1.0, 0.0, 1.0)
     """
-    _check_common(sessions, 1, truncation)
+    check_sessions(sessions)
+    check_truncation(truncation)
     metrics: dict[str, float] = {"sessions/count": float(len(sessions))}
     for status in Status:
         metrics[f"sessions/{status.value}"] = float(sum(s.status is status for s in sessions))
@@ -128,7 +135,7 @@ def _rewards(sessions: Sequence[Session], truncation: str) -> dict[str, float]:
     trained = [
         0.0 if s.status is Status.TRUNCATED and truncation == "zero" else s.reward
         for s in sessions
-        if _trains(s, truncation)
+        if trains(s, truncation)
     ]
     if trained and all(r is not None for r in trained):
         out["reward/trained_mean"] = float(np.mean(trained))
@@ -155,8 +162,7 @@ def _latency(sessions: Sequence[Session], latencies: Any) -> dict[str, float]:
 
 
 def _lag(sessions: Sequence[Session], version: Any) -> dict[str, float]:
-    if isinstance(version, bool) or not isinstance(version, int | np.integer) or version < 0:
-        raise ValueError(f"version: expected None or an int >= 0, got {version!r}")
+    version = check_int("version", version, minimum=0)
     oldest = np.array([min(c.version for c in s.calls) for s in sessions if s.calls], np.int64)
     if not oldest.size:
         return {}
