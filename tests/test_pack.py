@@ -409,6 +409,48 @@ def test_errors_name_what_is_wrong():
         rows_needed([5], 4)
 
 
+def test_the_same_session_twice_is_refused_naming_both_indices():
+    a = session([call([1, 2], [3])], reward=1.0, sample=0)
+    b = session([call([1, 2], [4])], reward=0.0, sample=1)
+    pattern = (
+        r"sessions\[2\] \(task 0, group 0, sample 1, attempt 0, COMPLETED\): the same "
+        r"session as sessions\[1\]"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        pack([a, b, b], width=8)  # b would train twice and count twice in the baseline
+    # the identity decides, not the content: a second record of (task, group, sample, attempt)
+    again = session([call([7], [8, 9])], reward=0.5, sample=0)
+    with pytest.raises(
+        ValueError, match=r"sessions\[2\] .*sample 0.*same session as sessions\[0\]"
+    ):
+        pack([a, b, again], width=8)
+    # a session that would not train is still one session, given once
+    cancelled = session([call([1], [2])], reward=None, status="CANCELLED", sample=5)
+    with pytest.raises(
+        ValueError, match=r"sessions\[1\] .*CANCELLED.*same session as sessions\[0\]"
+    ):
+        pack([cancelled, cancelled], width=8)
+    # another attempt, sample, group or task is another session
+    others = [
+        Session(0, 0, 1, 1, [call([1], [2])], "COMPLETED", 0.0),
+        Session(0, 1, 1, 0, [call([1], [2])], "COMPLETED", 0.0),
+        Session(1, 0, 1, 0, [call([1], [2])], "COMPLETED", 0.0),
+    ]
+    assert pack([a, b, *others], width=8)["input_ids"].shape[0] >= 1
+
+
+def test_a_duplicate_would_have_moved_the_baseline():
+    """What the rule prevents: pack on [a, b, b] would weigh b twice in the group mean."""
+    a = session([call([1], [2])], reward=1.0, sample=0)
+    b = session([call([1], [3])], reward=0.0, sample=1)
+    c = session([call([1], [4])], reward=0.0, sample=2)  # b's twin under its own identity
+    twice = pack([a, b, c], width=4)["advantages"][:, 0]
+    once = pack([a, b], width=4)["advantages"][:, 0]
+    assert not np.allclose(sorted(twice.tolist())[-1], sorted(once.tolist())[-1])
+    with pytest.raises(ValueError, match="same session"):
+        pack([a, b, b], width=4)
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=sessions_strategy(with_extras=True, min_sampled=1), extra=st.integers(0, 6))
 def test_routing_and_support_follow_their_calls(data, extra):
