@@ -27,7 +27,7 @@ from serving_helpers import (
 
 from dew_pipe.data.text_columns import encode_text_column
 from dew_pipe.inference import Draw, NativeRolloutServer, PromptSource, Server, ServeTask
-from dew_pipe.inference.prompt_source import join_ids
+from dew_pipe.inference.reward_function import join_ids
 from dew_pipe.objectives.rl import prompt_tasks
 from dew_pipe.objectives.rl.sessions import SessionSource, Status, Task
 from dew_pipe.sampling import Sampling

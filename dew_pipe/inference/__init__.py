@@ -5,6 +5,7 @@
 - ``text.py``: `TextGeneration`, a policy that turns token contexts into `Generation` records.
 - ``sampled_rollout.py``: `SampledRollout`, the trainer's synchronous GRPO rollout hook.
 - ``prompt_source.py``: `PromptSource`, sessions sampled from a rollout server and scored.
+- ``reward_function.py``: `RewardFunction`, the per-completion reward both of them call.
 - ``servers/``: the `RolloutServer` interface and its backends (the continuous-batching
   `Server`, `NativeRolloutServer`, `ProcessRolloutServer`); see its docstring.
 
@@ -37,6 +38,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Generation": ("dew_pipe.inference.text", "Generation"),
     "TextGeneration": ("dew_pipe.inference.text", "TextGeneration"),
     "SampledRollout": ("dew_pipe.inference.sampled_rollout", "SampledRollout"),
+    "RewardFunction": ("dew_pipe.inference.reward_function", "RewardFunction"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.inference.decoding import decode_step
 from dew_pipe.sampling import Sampling, sample
 
@@ -59,12 +60,6 @@ class Generated(NamedTuple):
     lengths: jax.Array
     stopped: jax.Array
     support: jax.Array | None
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} is {value!r}; expected a positive int")
-    return int(value)
 
 
 def _check_prompts(model: Any, prompts: Any, prompt_lengths: Any) -> tuple[np.ndarray, int]:
@@ -147,13 +142,12 @@ def generate(
         raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
     lengths, width = _check_prompts(model, prompts, prompt_lengths)
     limits = _budgets(max_new_tokens, len(lengths))
-    room = int(limits.max()) if capacity is None else _positive_int("capacity", capacity)
+    room = int(limits.max()) if capacity is None else check_int("capacity", capacity, minimum=1)
     if room < limits.max():
         raise ValueError(f"capacity is {room}; expected at least the largest budget {limits.max()}")
     cfg = model.config
     sampling.check_vocab(cfg.vocab_size)
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer) or pad_id < 0:
-        raise ValueError(f"pad_id is {pad_id!r}; expected a nonnegative int")
+    pad_id = check_int("pad_id", pad_id, minimum=0)
     if width + room - 1 > cfg.max_seq_len:
         raise ValueError(
             f"prompt_len ({width}) + max_new_tokens ({room}) - 1 = {width + room - 1} "
@@ -177,7 +171,7 @@ def generate(
 def _budgets(value: Any, rows: int) -> np.ndarray:
     """``[rows]`` int32 budgets from an int or a per-row array (each >= 1)."""
     if np.ndim(value) == 0:
-        return np.full(rows, _positive_int("max_new_tokens", value), np.int32)
+        return np.full(rows, check_int("max_new_tokens", value, minimum=1), np.int32)
     array = np.asarray(value)
     if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"max_new_tokens has dtype {array.dtype}; expected integers")

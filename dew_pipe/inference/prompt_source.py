@@ -26,39 +26,20 @@ import hashlib
 import math
 import numbers
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from dew_pipe._pool import WorkerPool
+from dew_pipe._validate import check_int
+from dew_pipe.inference.reward_function import RewardFunction, join_ids
 from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.objectives.rl.sessions import Session, Status, Task
 
-__all__ = ["PromptSource", "Reward", "join_ids"]
-
-#: ``reward(data_source, completion, ground_truth, extra_info) -> float``.
-Reward = Callable[[str, str, str, str], float]
+__all__ = ["PromptSource"]
 
 _METADATA = ("data_source", "ground_truth", "extra_info")
-
-
-def join_ids(ids: Sequence[int] | np.ndarray) -> str:
-    """The default ``decode``: ids as decimal numbers separated by spaces.
-
-    Example:
-        >>> join_ids([5, 12, 3])
-        '5 12 3'
-    """
-    return " ".join(str(int(i)) for i in ids)
-
-
-def _int(name: str, value: Any, minimum: int | None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} is {value!r}; expected an int")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} is {value}; expected an int >= {minimum}")
-    return int(value)
 
 
 def _payload(task: Any) -> tuple[np.ndarray, dict[str, str]]:
@@ -145,7 +126,7 @@ class PromptSource:
     def __init__(
         self,
         server: Any,
-        reward: Reward,
+        reward: RewardFunction,
         *,
         decode: Callable[[np.ndarray], str] | None = None,
         max_new_tokens: int,
@@ -160,9 +141,9 @@ class PromptSource:
         if not callable(decode):
             raise TypeError(f"decode is {decode!r}; expected a callable (ids -> str)")
         self.server, self.reward, self.decode = server, reward, decode
-        self.max_new_tokens = _int("max_new_tokens", max_new_tokens, 1)
-        self.workers = _int("workers", workers, 1)
-        self.seed = _int("seed", seed, None)
+        self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+        self.workers = check_int("workers", workers, minimum=1)
+        self.seed = check_int("seed", seed)
         self._pool = WorkerPool(self.workers, name="prompt-reward")  # daemons: see _pool
         self._lock = threading.Lock()
         self._pending: dict[cf.Future, _Pending] = {}
@@ -177,8 +158,9 @@ class PromptSource:
                 failed: a broken source, not a failed sample).
         """
         prompt, _ = _payload(task)
-        group = _int("group", group, None)
-        sample, attempt = _int("sample", sample, 0), _int("attempt", attempt, 0)
+        group = check_int("group", group)
+        sample = check_int("sample", sample, minimum=0)
+        attempt = check_int("attempt", attempt, minimum=0)
         entry = _Pending(task, group, sample, attempt)
         with self._lock:
             if self._closed:

@@ -34,37 +34,18 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.data.text_columns import decode_text_column
 from dew_pipe.inference.generation import generate
+from dew_pipe.inference.reward_function import RewardFunction, join_ids
 from dew_pipe.objectives.rl.advantages import ESTIMATORS
 from dew_pipe.objectives.rl.packing import TRUNCATIONS, pack
 from dew_pipe.objectives.rl.sessions import Call, Session, Status
 from dew_pipe.sampling import Sampling
 
-__all__ = ["Reward", "SampledRollout", "token_text"]
-
-Reward = Callable[[str, str, str, str], float]
-"""``reward(data_source, completion, ground_truth, extra_info) -> float``."""
+__all__ = ["SampledRollout"]
 
 _METADATA = ("data_source", "ground_truth", "extra_info")
-
-
-def token_text(ids: Sequence[int]) -> str:
-    """The default ``decode``: token ids written in decimal, separated by single spaces.
-
-    Example:
-        >>> token_text([12, 7, 3])
-        '12 7 3'
-    """
-    return " ".join(str(int(i)) for i in ids)
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} is {value!r}; expected an int >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{name} is {value}; expected an int >= {minimum}")
-    return int(value)
 
 
 def _integers(batch: Mapping[str, Any], name: str, ndim: int) -> np.ndarray:
@@ -101,7 +82,7 @@ class SampledRollout:
         sampling: EOS ids, temperature and filters (`dew_pipe.sampling.Sampling`).
         decode: turns a completion's ids (a list of ints, EOS and padding removed) into the
             text the reward reads; None writes the ids in decimal separated by spaces
-            (:func:`token_text`). Pass ``tokenizer.decode`` for a reward on words.
+            (`join_ids`). Pass ``tokenizer.decode`` for a reward on words.
         estimator: the advantage estimator ``pack`` applies within each prompt's group:
             ``"group"`` (GRPO), ``"mean"`` (Dr.GRPO) or ``"rloo"``.
         truncation: how completions that ran out of budget train: ``"score"`` (default, on
@@ -146,7 +127,7 @@ class SampledRollout:
     def __init__(
         self,
         objective: Any,
-        reward: Reward,
+        reward: RewardFunction,
         groups: int,
         max_new_tokens: int,
         sampling: Sampling = Sampling(),  # noqa: B008  # frozen, so one shared default is safe
@@ -182,13 +163,13 @@ class SampledRollout:
         self.objective = objective
         self.model = model
         self.reward = reward
-        self.groups = _count("groups", groups, 2)
-        self.max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
+        self.groups = check_int("groups", groups, minimum=2)
+        self.max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
         self.sampling = sampling
-        self.decode = token_text if decode is None else decode
+        self.decode = join_ids if decode is None else decode
         self.estimator = estimator
         self.truncation = truncation
-        self.pad_id = _count("pad_id", pad_id, 0)
+        self.pad_id = check_int("pad_id", pad_id, minimum=0)
         self.last_sessions: list[Session] = []
         self._metrics: dict[str, float] = {}
 

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.inference.generation import Generated, generate
 from dew_pipe.sampling import Sampling
 
@@ -136,11 +137,7 @@ class TextGeneration:
         self._shapes = _signature(self._variables)
         self.buckets = self._buckets(buckets)
         self.record_support = bool(record_support)
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
-            raise TypeError(f"pad_id is {pad_id!r}; expected an int")
-        if not 0 <= pad_id < self._vocab:
-            raise ValueError(f"pad_id is {pad_id}; expected an id in [0, {self._vocab})")
-        self.pad_id = int(pad_id)
+        self.pad_id = check_int("pad_id", pad_id, minimum=0, maximum=self._vocab - 1)
 
     def _buckets(self, buckets: Sequence[int] | None) -> tuple[int, ...]:
         if buckets is None:
@@ -231,17 +228,13 @@ class TextGeneration:
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
         sampling.check_vocab(self._vocab)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
-            raise TypeError(f"max_new_tokens is {max_new_tokens!r}; expected a positive int")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens is {max_new_tokens}; expected a positive int")
+        budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
         if isinstance(contexts, np.ndarray | str) or not isinstance(contexts, Sequence):
             raise TypeError(f"contexts is {type(contexts).__name__}; expected a list of id lists")
         if not contexts:
             raise ValueError("contexts is empty; expected at least one context")
         ids = [self._context(i, c) for i, c in enumerate(contexts)]
         longest = max(c.size for c in ids)
-        budget = int(max_new_tokens)
         if longest + budget - 1 > self._max_len:
             raise ValueError(
                 f"a context of {longest} ids with max_new_tokens={budget} needs "

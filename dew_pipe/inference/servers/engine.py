@@ -6,15 +6,15 @@ in a bounded queue; between two decode calls the server thread
 1. applies a pending weight reload (`Server.reload`), so the next ids come from the new
    weights while draws in flight keep their rows and caches;
 2. releases the rows of cancelled draws;
-3. starts waiting requests in free rows (`dew_pipe.inference.servers.engine_steps.prefill`: one
-   compiled shape per bucket of joining requests and prompt width, running rows
-   untouched); an idle server may first wait up to ``gather_s`` for more requests, so a
-   burst submitted one request at a time starts in one prefill;
+3. starts waiting requests in free rows (`engine_steps.prefill`: one compiled shape per
+   bucket of joining requests and prompt width, running rows untouched); an idle server
+   may first wait up to ``gather_s`` for more requests, so a burst submitted one request at
+   a time starts in one prefill;
 4. advances every busy row by up to ``steps_per_call`` ids in one compiled call of a fixed
-   shape (`dew_pipe.inference.servers.engine_steps.advance`), stopping early once a row finishes while
-   requests wait, so a finished row is handed on at once.
+   shape (`engine_steps.advance`), stopping early once a row finishes while requests wait,
+   so a finished row is handed on at once.
 
-A finished row resolves its future with a `dew_pipe.inference.servers.interface.Draw`. Each draw is
+A finished row resolves its future with a `Draw` (`interface.py`). Each draw is
 sampled from its own seed (``fold_in(key(seed), t)`` for its ``t``-th id), so given the
 seed it is the same whichever requests share the batch. What the thread does is counted
 (`Server.counters`).
@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.inference.servers import engine_steps
 from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters
 from dew_pipe.inference.servers.engine_setup import (
@@ -49,7 +50,6 @@ from dew_pipe.inference.servers.engine_setup import (
     check_options,
     check_tree,
     from_task_arguments,
-    positive_int,
     prompt_array,
     prompt_buckets,
     prompt_problem,
@@ -57,7 +57,6 @@ from dew_pipe.inference.servers.engine_setup import (
     served_model,
     signature,
     variables_of,
-    version_number,
 )
 from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.sampling import Sampling
@@ -256,7 +255,7 @@ class Server:
             RuntimeError: the server is closed, or its thread failed (chained from the
                 thread's exception).
         """
-        budget = positive_int("max_new_tokens", max_new_tokens)
+        budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
         prompt = prompt_array(prompt_ids)
         if seed is not None and (
             isinstance(seed, bool)
@@ -311,7 +310,7 @@ class Server:
         variables = variables_of(variables, "variables")
         check_tree(self._signature, variables)
         if version is not None:
-            version_number("version", version)
+            check_int("version", version, minimum=0)
         if threading.current_thread() is self._thread:
             raise RuntimeError("Server.reload was called from the server's own thread")
         with self._reload_lock:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.sampling import Sampling
 
 __all__ = ["ServeTask"]
@@ -41,14 +42,6 @@ class ServeTask:
     sampling: Sampling = dataclasses.field(default_factory=Sampling)
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} is {value!r}; expected an int >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{name} is {value}; expected an int >= {minimum}")
-    return int(value)
-
-
 def variables_of(value: Any, name: str) -> Mapping[str, Any]:
     """``value`` itself when it is ``{"params": ...}``, else its ``params`` attribute."""
     variables = getattr(value, "params", value)  # a TrainState carries its variables
@@ -72,11 +65,11 @@ def check_options(model: Any, sampling: Any, **options: Any) -> dict[str, int]:
         raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
     sampling.check_vocab(int(config.vocab_size))
     out = {
-        name: _int(name, options[name], 1)
+        name: check_int(name, options[name], minimum=1)
         for name in ("slots", "capacity", "queue", "steps_per_call")
     }
     for name in ("version", "seed", "pad_id"):
-        out[name] = _int(name, options[name], 0)
+        out[name] = check_int(name, options[name], minimum=0)
     if out["capacity"] > config.max_seq_len:
         raise ValueError(
             f"capacity is {out['capacity']}; expected at most the model's "
@@ -160,18 +153,6 @@ def from_task_arguments(
     if "pad_id" not in options and isinstance(pad_id, int) and not isinstance(pad_id, bool):
         options["pad_id"] = pad_id
     return task.model, task.variables, sampling, options
-
-
-def positive_int(name: str, value: Any) -> int:
-    """``value`` as an int >= 1 (TypeError for a non-int, ValueError below 1)."""
-    return _int(name, value, 1)
-
-
-def version_number(name: str, value: Any) -> int:
-    """``value`` as a version, an int >= 0 (ValueError otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"{name} is {value!r}; expected an int >= 0")
-    return int(value)
 
 
 def prompt_array(prompt_ids: Any) -> np.ndarray:

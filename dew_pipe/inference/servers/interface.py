@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from dew_pipe._validate import check_int
+
 if TYPE_CHECKING:
     from dew_pipe.objectives.rl.sessions import Call
 
@@ -43,12 +45,6 @@ def _array(name: str, value: Any, dtype: Any, length: int | None) -> np.ndarray:
     out = array.astype(dtype, copy=False).view()
     out.flags.writeable = False
     return out
-
-
-def _version(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"Draw.{name} is {value!r}; expected a version, an int >= 0")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,7 +69,8 @@ class Draw:
         seed: the seed the draw was sampled with, when known.
 
     Raises:
-        ValueError: misaligned arrays, an unknown finish reason or a bad version.
+        TypeError: a version that is not an int.
+        ValueError: misaligned arrays, an unknown finish reason or a negative version.
 
     Example:
         >>> draw = Draw([4, 5], [7, 2], [-0.1, -0.2], "stop", version=3, submitted_version=3)
@@ -108,8 +105,8 @@ class Draw:
             raise ValueError(
                 f"Draw.finish_reason is {self.finish_reason!r}; expected one of {FINISH_REASONS}"
             )
-        put(self, "version", _version("version", self.version))
-        put(self, "submitted_version", _version("submitted_version", self.submitted_version))
+        for name in ("version", "submitted_version"):
+            put(self, name, check_int(f"Draw.{name}", getattr(self, name), minimum=0))
         if self.support is not None:
             if isinstance(self.support, np.ndarray) or not isinstance(self.support, Sequence):
                 raise ValueError("Draw.support: expected a sequence of id arrays, one per id")

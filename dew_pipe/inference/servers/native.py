@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.inference.servers.engine import Server, ServerCounters
 from dew_pipe.inference.servers.interface import Draw
 
@@ -76,9 +77,7 @@ class NativeRolloutServer:
                 version.
             RuntimeError: the server is closed or failed.
         """
-        if isinstance(version, bool) or not isinstance(version, int | np.integer) or version < 0:
-            raise ValueError(f"version is {version!r}; expected an int >= 0")
-        self.server.reload(variables, int(version))
+        self.server.reload(variables, check_int("version", version, minimum=0))
 
     def counters(self) -> ServerCounters:
         """The server's counters (`Server.counters`)."""

@@ -3,8 +3,8 @@
 The in-process `NativeRolloutServer` shares the trainer's XLA runtime: on CPU every JAX
 computation of a process runs on one pool of worker threads, so a rollout and an update
 running "at the same time" take turns on the same cores. This server starts a fresh Python
-process (``python -m dew_pipe.inference.servers.process_worker``) with its own XLA runtime, optionally
-pinned to chosen cores (``cpus``) or given its own accelerator (``env``, for example
+process (``python -m dew_pipe.inference.servers.process_worker``) with its own XLA runtime,
+optionally pinned to chosen cores (``cpus``) or given its own accelerator (``env``, for example
 ``CUDA_VISIBLE_DEVICES``), the way a separate inference device serves a trainer in a real
 deployment. It answers the same `RolloutServer` requests:
 
@@ -39,16 +39,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.inference.servers.engine_records import ServerCounters
 from dew_pipe.inference.servers.engine_setup import (
     ServeTask,
     check_tree,
     from_task_arguments,
-    positive_int,
     prompt_array,
     signature,
     variables_of,
-    version_number,
 )
 from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.sampling import Sampling
@@ -147,8 +146,8 @@ class ProcessRolloutServer:
         model, variables, sampling, options = from_task_arguments(task, sampling, options)
         variables = jax.device_get(variables_of(variables, "task.variables"))
         self._signature = signature(variables)
-        self._queue = positive_int("queue", options.get("queue", 1024))
-        self._slots = positive_int("slots", slots)
+        self._queue = check_int("queue", options.get("queue", 1024), minimum=1)
+        self._slots = check_int("slots", slots, minimum=1)
         cpu_set = _cpu_set(cpus)
         if env is not None and not (
             isinstance(env, Mapping)
@@ -312,7 +311,7 @@ class ProcessRolloutServer:
             TypeError / ValueError: a bad budget, seed or prompt dtype.
             RuntimeError: the server is closed, or its process died.
         """
-        budget = positive_int("max_new_tokens", max_new_tokens)
+        budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
         prompt = prompt_array(prompt_ids)
         if seed is not None and (
             isinstance(seed, bool)
@@ -354,7 +353,7 @@ class ProcessRolloutServer:
             RuntimeError: the server is closed, its process died, the child failed to apply
                 the weights, or called from a draw's callback.
         """
-        version = version_number("version", version)
+        version = check_int("version", version, minimum=0)
         variables = variables_of(variables, "variables")
         check_tree(self._signature, variables)
         message = self._request("load", jax.device_get(variables), version)

@@ -1,9 +1,9 @@
 """The child side of `dew_pipe.inference.ProcessRolloutServer`: a `Server` in its own process.
 
-Run as ``python -m dew_pipe.inference.servers.process_worker FD`` by the parent, which holds the other
-end of the socket ``FD``. Nothing here imports JAX before the setup message has been read:
-the CPU affinity is applied first, so XLA sizes its thread pool to the cores this process
-may use, and the parent's environment (``XLA_FLAGS``, ``JAX_PLATFORMS``,
+Run as ``python -m dew_pipe.inference.servers.process_worker FD`` by the parent, which holds
+the other end of the socket ``FD``. Nothing here imports JAX before the setup message has
+been read: the CPU affinity is applied first, so XLA sizes its thread pool to the cores this
+process may use, and the parent's environment (``XLA_FLAGS``, ``JAX_PLATFORMS``,
 ``CUDA_VISIBLE_DEVICES``...) is read by a fresh interpreter.
 
 Protocol (pickled tuples over `multiprocessing.connection.Connection`):
