@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew_pipe._validate import check_int
+
 __all__ = ["RopeScaling", "TransformerConfig"]
 
 _REMAT_TRUE = "nothing_saveable"
@@ -95,8 +97,12 @@ class RopeScaling:
 
 
 def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise ValueError(f"{name} is {value!r}; expected a positive int")
+    # One wording (dew_pipe._validate); a config has always raised ValueError for a size
+    # that is not an int (2.5 layers), so the TypeError is re-raised as one.
+    try:
+        check_int(name, value, minimum=1)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
 
 
 def _float_dtype(name: str, value: Any) -> np.dtype:
