@@ -6,10 +6,10 @@
                ▲ ▲                 │ ▲      ▲           │
                │ └──── orders ─────┘ └──────┴─ handovers, weights (feedback) ─┘
 
-The same stages, wired by the same :func:`dew_pipe.stages.wire`, make up
-``RolloutScheduler``; here :func:`dew_pipe.stages.grpo_pipeline` builds the graph, whose
-update stage owns the TrainState and runs ``Trainer.train_step`` itself instead of handing
-batches to ``Trainer.fit``.
+The same builder, :func:`dew_pipe.stages.build_graph`, makes ``RolloutScheduler``'s graph;
+here :func:`dew_pipe.stages.grpo_pipeline` calls it with a ``Train`` update stage, which
+owns the TrainState and runs ``Trainer.train_step`` itself instead of handing batches to
+``Trainer.fit``.
 
 The toy task needs nothing downloaded: prompts are random ids, and the reward is the share
 of sampled ids equal to the task's target id (its ``ground_truth``). ``ToySource`` samples
@@ -192,17 +192,24 @@ def toy_prompts(batch: int, prompt_len: int, vocab: int, target: int, seed: int)
 class GRPOJob:
     """What ``dew-pipe run`` runs: the pipeline, with per-update values logged.
 
-    The initial TrainState is built (and served as version 0) when the job runs, so
-    ``--dry-run`` compiles nothing.
+    The initial TrainState is built (and served as version 0) when the run starts, by
+    :meth:`initial_state`, which the update stage calls, so ``--dry-run`` compiles nothing.
     """
 
-    def __init__(self, pipeline: Pipeline, trainer: Trainer, weights: ToyWeights, steps: int):
-        self.pipeline = pipeline
+    def __init__(self, trainer: Trainer, weights: ToyWeights, steps: int) -> None:
         self.trainer = trainer
         self.weights = weights
         self.steps = steps
+        self.pipeline: Pipeline | None = None  # set by pipeline() below
         self.rewards: list[float] = []
         self._context: RunContext | None = None
+
+    def initial_state(self) -> Any:
+        """The trainer's initial state, loaded into ``weights`` (which start empty) as
+        version 0 before rollout's first submission (rollout waits for the first handover)."""
+        state = self.trainer.initial_state()
+        self.weights.load(state.params, 0)
+        return state
 
     def log(self, step: int, metrics: dict[str, float], record: SchedulerRecord | None) -> None:
         reward = record.metrics.get("reward/mean", float("nan")) if record else float("nan")
@@ -216,9 +223,6 @@ class GRPOJob:
 
     def run(self, context: RunContext) -> Any:
         self._context = context
-        state = self.trainer.initial_state()
-        self.weights.load(state.params, 0)
-        self.pipeline.stages["update"].state = state
         snapshot = context.run_pipeline(self.pipeline)
         k = max(1, len(self.rewards) // 5)
         first, last = np.mean(self.rewards[:k]), np.mean(self.rewards[-k:])
@@ -268,7 +272,7 @@ def pipeline(
         seed=seed + 1,
     )  # fmt: skip
     data = toy_prompts(tasks_per_batch, prompt_len, vocab, target, seed)
-    job = GRPOJob(None, trainer, weights, steps)  # type: ignore[arg-type]
+    job = GRPOJob(trainer, weights, steps)
     job.pipeline = grpo_pipeline(
         tasks=TaskBatches(data, prompt_tasks),
         source=source,
@@ -283,6 +287,7 @@ def pipeline(
         ahead=ahead,
         sync_every=sync_every,
         truncation="score",
+        state=job.initial_state,
         log=job.log,
     )
     return job

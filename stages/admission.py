@@ -41,11 +41,11 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from dew_pipe.stages.messages import Handover, Orders, Plan, Resubmit, SchedulerRecord, Stamps
 
+from dew_pipe._validate import check_int
 from dew_pipe.objectives.rl.packing import TRUNCATIONS, chain_lengths, pack, rows_needed
 from dew_pipe.objectives.rl.session_stats import session_metrics
 from dew_pipe.objectives.rl.sessions import Session, Status
@@ -111,14 +111,6 @@ class _Batch:
         self.resubmitted: collections.Counter[str] = collections.Counter()
 
 
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        expected = f"None or an int >= {minimum}" if allow_none else f"an int >= {minimum}"
-        raise ValueError(f"{name}={value!r}; expected {expected}")
-
-
 class Admission:
     """Admission state of every batch in flight (see the module docstring for the rules).
 
@@ -162,18 +154,14 @@ class Admission:
         audit: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        _check_int("width", width, 1)
-        _check_int("rows", rows, 1)
-        _check_int("groups", groups, 1)
-        _check_int("admit", admit, 1, allow_none=True)
-        _check_int("max_lag", max_lag, 0, allow_none=True)
-        _check_int("max_attempts", max_attempts, 1)
+        self.width = check_int("width", width, minimum=1)
+        self.rows = check_int("rows", rows, minimum=1)
+        self.groups = check_int("groups", groups, minimum=1)
+        self.admit = check_int("admit", admit, minimum=1, allow_none=True)
+        self.max_lag = check_int("max_lag", max_lag, minimum=0, allow_none=True)
+        self.max_attempts = check_int("max_attempts", max_attempts, minimum=1)
         if truncation not in TRUNCATIONS:
-            raise ValueError(f"truncation={truncation!r}; expected one of {list(TRUNCATIONS)}")
-        self.width, self.rows, self.groups = int(width), int(rows), int(groups)
-        self.admit = admit
-        self.max_lag = max_lag
-        self.max_attempts = int(max_attempts)
+            raise ValueError(f"truncation is {truncation!r}; expected one of {TRUNCATIONS}")
         self.truncation = truncation
         self.estimator = estimator
         self.support_capacity = support_capacity

@@ -1,4 +1,4 @@
-"""The asynchronous GRPO graph: how rollout, reward, pack, rescore and update are wired.
+"""The asynchronous GRPO graph: its settings, how its stages are wired, and its one builder.
 
 ::
 
@@ -10,34 +10,65 @@
                                   │   pack ─ records ─► update
                                   └ rescore ◄─ params (feedback) ◄ update
 
-Both views build it with :func:`wire`: ``RolloutScheduler`` with an ``Inlet`` of trainer
-steps into ``update`` and an ``Outlet`` of handed batches out of it, and
-:func:`grpo_pipeline` (used by ``pipelines/grpo_async.py`` and the arithmetic job of
-:mod:`dew_pipe.tasks.job`) with a ``Source`` of task batches and an ``Update`` that runs the
-trainer's step itself.
+:class:`GraphSettings` holds what shapes the graph (batch sizes, lag bounds, admission and
+advantage rules), checked once when it is made; :meth:`GraphSettings.check_objective`
+checks the objective against them. :func:`build_graph` makes the stages from the settings
+and :func:`wire` connects them. Both views call it:
+
+* ``RolloutScheduler`` (library view) with an ``Inlet`` of task batches and a
+  :class:`~dew_pipe.stages.handoff.Handoff` update stage, whose ``trainer`` input and
+  ``batches`` output it connects to the Trainer's thread;
+* :func:`grpo_pipeline` (pipeline view: ``pipelines/grpo_async.py``,
+  ``pipelines/arithmetic.py``) with a :class:`TaskBatches` source and a
+  :class:`~dew_pipe.stages.train.Train` update stage that trains on each batch itself.
 
 Why lag stays bounded: rollout takes task batch ``j`` only once update has handed over
 batch ``j - ahead``, and submits it under the version served then, which a push keeps
 within ``sync_every - 1`` of the trainer's; batch ``j`` trains at most ``ahead`` updates
 later. So a first submission is at most ``ahead + sync_every - 1`` updates stale when it
-trains, whatever the queue capacities below.
+trains, whatever the queue capacities below; that is why ``GraphSettings`` refuses a
+``max_lag`` below it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.messages import SchedulerRecord
+from dew_pipe.stages.handoff import Handoff, served_version
+from dew_pipe.stages.pack import Pack
+from dew_pipe.stages.protocols import (
+    LikelihoodScorer,
+    TrainingState,
+    TrainingStep,
+    WeightsPublisher,
+)
+from dew_pipe.stages.rescore import Rescore
+from dew_pipe.stages.reward import Reward, Score
+from dew_pipe.stages.rollout import Rollout
+from dew_pipe.stages.train import Train, UpdateLog
 
+from dew_pipe._validate import check_float, check_int
 from dew_pipe.batches import TASKS_SCHEMA, tasks_to_arrow
 from dew_pipe.data.dataset import Dataset, Partition
-from dew_pipe.flow import Pipeline, Source
+from dew_pipe.flow import Pipeline, Source, Stage
+from dew_pipe.objectives.rl.advantages import ESTIMATORS
+from dew_pipe.objectives.rl.packing import TRUNCATIONS
 from dew_pipe.objectives.rl.session_arrow import task_row
+from dew_pipe.objectives.rl.sessions import SessionSource
 from dew_pipe.objectives.rl.task_rows import task_ids
 
-__all__ = ["TaskBatches", "grpo_pipeline", "task_batch", "wire"]
+__all__ = [
+    "GraphSettings",
+    "TaskBatches",
+    "build_graph",
+    "grpo_pipeline",
+    "rescorer",
+    "task_batch",
+    "wire",
+]
 
 # Session batches between rollout, reward and pack: rollout emits one batch per wake-up
 # (every session finished since the last), so 8 absorbs a burst while reward is busy;
@@ -46,6 +77,131 @@ SESSION_CAPACITY = 8
 # Handovers and weights: one per training batch, consumed at once by stages that never
 # block on them; 4 is slack, not a working depth.
 CONTROL_CAPACITY = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSettings:
+    """What shapes the asynchronous GRPO graph, checked once here for both views.
+
+    Args:
+      width: W, ids per packed row (the objective's ``seq_len`` is ``W - 1``).
+      rows: N, rows per batch; size it for the chains a group can split into.
+      groups: G, sessions trained per task (at least 2: advantages compare them).
+      max_lag: the most updates an admitted session's oldest call may lag the version it
+        trains at; at least ``ahead + sync_every - 1``, the lag a first submission reaches
+        by construction (see the module docstring).
+      ahead: task batches submitted beyond the one being trained.
+      sync_every: push weights once the served version is this many updates behind.
+      oversample: K extra sessions per task; the first G to finish are admitted.
+      admit: pack a batch once this many of its groups are complete and cancel the rest;
+        None waits for all of them.
+      timeout: cancel and resubmit a session still running this many seconds after its
+        submission (a failed attempt); None never does.
+      max_attempts: failed attempts a sample may have before its group is abandoned
+        (every resubmission, whatever its cause, uses one).
+      truncation: "mask", "score" or "zero" for TRUNCATED sessions (see ``pack``).
+      estimator: the advantage estimator: "group", "mean" or "rloo".
+      support_capacity: C, when calls record sampling supports.
+      reward_workers: threads of the reward stage.
+      audit: keep every submission's ticket in pack's ledger (memory grows with the run;
+        for tests and debugging).
+
+    Raises:
+      TypeError: a setting of the wrong type; ValueError: one out of range, or ``max_lag``
+        below ``ahead + sync_every - 1``.
+
+    Example:
+      >>> GraphSettings(width=64, rows=16, groups=4, ahead=2, max_lag=2).sync_every
+      1
+      >>> GraphSettings(width=64, rows=16, groups=4, ahead=2, max_lag=1)
+      Traceback (most recent call last):
+      ...
+      ValueError: max_lag is 1 with ahead=2 and sync_every=1; expected at least ahead + sync_every - 1 = 2, the lag a first submission reaches by construction
+    """
+
+    width: int
+    rows: int
+    groups: int
+    max_lag: int = 1
+    ahead: int = 1
+    sync_every: int = 1
+    oversample: int = 0
+    admit: int | None = None
+    timeout: float | None = None
+    max_attempts: int = 3
+    truncation: str = "mask"
+    estimator: str = "group"
+    support_capacity: int | None = None
+    reward_workers: int = 4
+    audit: bool = False
+
+    def __post_init__(self) -> None:
+        def keep(name: str, value: Any) -> None:  # a NumPy int arrives, a Python int is kept
+            object.__setattr__(self, name, value)
+
+        keep("width", check_int("width", self.width, minimum=2))
+        keep("rows", check_int("rows", self.rows, minimum=1))
+        keep("groups", check_int("groups", self.groups, minimum=2))
+        for name in ("max_lag", "ahead", "oversample"):
+            keep(name, check_int(name, getattr(self, name), minimum=0))
+        for name in ("sync_every", "max_attempts", "reward_workers"):
+            keep(name, check_int(name, getattr(self, name), minimum=1))
+        for name in ("admit", "support_capacity"):
+            keep(name, check_int(name, getattr(self, name), minimum=1, allow_none=True))
+        keep("timeout", check_float("timeout", self.timeout, above=0.0, allow_none=True))
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation is {self.truncation!r}; expected one of {TRUNCATIONS}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(
+                f"estimator is {self.estimator!r}; expected one of {tuple(sorted(ESTIMATORS))}"
+            )
+        if not isinstance(self.audit, bool):
+            raise TypeError(f"audit is {self.audit!r}; expected a bool")
+        bound = self.ahead + self.sync_every - 1
+        if self.max_lag < bound:
+            raise ValueError(
+                f"max_lag is {self.max_lag} with ahead={self.ahead} and sync_every="
+                f"{self.sync_every}; expected at least ahead + sync_every - 1 = {bound}, the "
+                "lag a first submission reaches by construction"
+            )
+
+    def check_objective(self, objective: Any) -> None:
+        """Refuse an objective these settings cannot train.
+
+        Raises:
+          TypeError: it has no ``packed_log_probs`` (not a GRPO objective).
+          ValueError: its ``seq_len`` is not ``width - 1``, or ``max_lag`` lets sessions
+            lag while it has no ``behavior_importance`` to weight them.
+        """
+        if not callable(getattr(objective, "packed_log_probs", None)):
+            raise TypeError(
+                f"objective {type(objective).__name__} has no packed_log_probs(params, batch); "
+                "expected a GRPOObjective"
+            )
+        seq_len = getattr(objective, "seq_len", None)
+        if seq_len != self.width - 1:
+            raise ValueError(
+                f"objective.seq_len={seq_len!r} with width={self.width}; expected "
+                f"GRPOObjective(seq_len=width - 1 = {self.width - 1})"
+            )
+        options = getattr(objective, "options", None)
+        if self.max_lag > 0 and getattr(options, "behavior_importance", None) is None:
+            raise ValueError(
+                f"max_lag={self.max_lag} lets sessions lag the trainer, so the objective "
+                "must weight each token by proximal over behavior: set GRPOObjective("
+                "behavior_importance=...) to a TIS cap (2.0) or an IcePop band (0.5, 2.0)"
+            )
+
+
+def rescorer(objective: Any) -> LikelihoodScorer | None:
+    """What the rescore stage calls for ``objective``: its jitted ``packed_log_probs``, or
+    None when it scores the proximal policy in its own step (``proximal_in_step=True``), so
+    the graph has no rescore stage. Compiles nothing until called."""
+    if getattr(objective, "proximal_in_step", False) is True:
+        return None
+    import jax  # here, not at the top: the settings and wiring above need no JAX
+
+    return jax.jit(objective.packed_log_probs)
 
 
 def wire(
@@ -102,6 +258,169 @@ def wire(
         pipeline.connect(
             f"{update}.handover", f"{stage}.handover", capacity=CONTROL_CAPACITY, feedback=True
         )
+
+
+def build_graph(
+    settings: GraphSettings,
+    *,
+    tasks: Stage,
+    source: SessionSource,
+    weights: WeightsPublisher,
+    scorer: LikelihoodScorer | None,
+    reward: Score | None = None,
+    trainer: TrainingStep | None = None,
+    steps: int = 0,
+    state: TrainingState | Callable[[], TrainingState] | None = None,
+    log: UpdateLog | None = None,
+    owns_source: bool = False,
+    group_ids: Iterator[int] | None = None,
+    name: str = "grpo",
+) -> Pipeline:
+    """The graph's stages made from ``settings`` and wired, in a new pipeline.
+
+    Args:
+      settings: the graph's settings.
+      tasks: the stage of task batches, named "tasks" (a :class:`TaskBatches`, an Inlet).
+      source: the SessionSource rollout submits to.
+      weights: the publisher ``source`` samples from.
+      scorer: what rescore calls (:func:`rescorer`); None leaves the rescore stage out and
+        pack feeds update directly (``old_log_probs`` then stay the engine's, for an
+        objective that scores the proximal policy in its own step).
+      reward: ``score(task, session)`` for a source that leaves sessions unscored; None
+        trusts the source's rewards.
+      trainer: None makes the update stage a :class:`~dew_pipe.stages.handoff.Handoff`
+        whose ``trainer`` input and ``batches`` output the caller connects (the library
+        view); a trainer makes it a :class:`~dew_pipe.stages.train.Train` that runs
+        ``steps`` updates from ``state`` itself, calling ``log`` after each (the pipeline
+        view).
+      steps, state, log: the ``Train`` stage's, with a trainer.
+      owns_source: rollout closes ``source`` when the run ends.
+      group_ids: where rollout's group ids come from (shared across runs, ids stay unique).
+      name: the pipeline's name.
+
+    Returns:
+      The pipeline; its stages are "tasks", "rollout", "reward", "pack", "rescore" (unless
+      ``scorer`` is None) and "update".
+
+    Raises:
+      TypeError, ValueError: a collaborator or option the stages refuse.
+    """
+    s = settings
+    served = lambda: served_version(weights)  # noqa: E731 - read at every submission
+    rollout = Rollout(
+        source, groups=s.groups, oversample=s.oversample, ahead=s.ahead, max_lag=s.max_lag,
+        timeout=s.timeout, version=served, group_ids=group_ids, owns_source=owns_source,
+    )  # fmt: skip
+    pack = Pack(
+        width=s.width, rows=s.rows, groups=s.groups, admit=s.admit, max_lag=s.max_lag,
+        max_attempts=s.max_attempts, truncation=s.truncation, estimator=s.estimator,
+        support_capacity=s.support_capacity, audit=s.audit,
+    )  # fmt: skip
+    shape = {"width": s.width, "support_capacity": s.support_capacity}
+    update: Handoff
+    if trainer is None:
+        update = Handoff(weights=weights, sync_every=s.sync_every, **shape)
+    else:
+        update = Train(
+            trainer, steps=steps, weights=weights, sync_every=s.sync_every, state=state,
+            log=log, **shape,
+        )  # fmt: skip
+    pipeline = Pipeline(name)
+    for stage in (
+        tasks,
+        rollout,
+        Reward(reward, workers=s.reward_workers),
+        pack,
+        *([] if scorer is None else [Rescore(scorer, **shape)]),
+        update,
+    ):
+        pipeline.add(stage)
+    wire(
+        pipeline,
+        ahead=s.ahead,
+        reward_workers=s.reward_workers,
+        rescore=None if scorer is None else "rescore",
+    )
+    return pipeline
+
+
+def grpo_pipeline(
+    *,
+    tasks: Source,
+    source: SessionSource,
+    weights: WeightsPublisher,
+    trainer: TrainingStep,
+    score: Score | None,
+    width: int,
+    rows: int,
+    groups: int,
+    steps: int,
+    max_lag: int = 1,
+    ahead: int = 1,
+    sync_every: int = 1,
+    oversample: int = 0,
+    timeout: float | None = None,
+    truncation: str = "mask",
+    estimator: str = "group",
+    max_attempts: int = 3,
+    reward_workers: int = 2,
+    state: TrainingState | Callable[[], TrainingState] | None = None,
+    log: UpdateLog | None = None,
+    name: str = "grpo_async",
+) -> Pipeline:
+    """The asynchronous GRPO graph around any source, publisher and trainer (pipeline view).
+
+    tasks → rollout → reward → pack → rescore → update, made by :func:`build_graph`; the
+    update stage (a :class:`~dew_pipe.stages.train.Train`) owns the training state, runs
+    ``trainer.train_step`` ``steps`` times, then ends, which ends the pipeline. Its ``state``
+    attribute holds the newest state (``pipeline.stages["update"].state``).
+
+    Args:
+      tasks: the stage of task batches (a :class:`TaskBatches`, named "tasks").
+      source: the SessionSource rollout submits to (closed by rollout when the run ends).
+      weights: the publisher the source samples from, e.g. a ``NativeRolloutServer``.
+      trainer: the ``dew_pipe.Trainer`` whose ``train_step`` runs each update; its
+        objective's ``packed_log_probs`` rescores every batch (unless it was built with
+        ``proximal_in_step=True``).
+      score: ``score(task, session)`` for a source that leaves sessions unscored; None
+        trusts the source's rewards (``PromptSource`` scores its own).
+      width, rows, groups, max_lag, ahead, sync_every, oversample, timeout, truncation,
+        estimator, max_attempts, reward_workers: the :class:`GraphSettings`.
+      steps: updates to train.
+      state: the training state to start from, or a function returning it, called when
+        the run starts; None: ``trainer.initial_state()``.
+      log: ``log(step, metrics, record)`` after each update (``Train``'s ``UpdateLog``).
+      name: the pipeline's name.
+
+    Returns:
+      The pipeline (run it with ``pipeline.run()`` or ``RunContext.run_pipeline``).
+
+    Raises:
+      TypeError, ValueError: a setting :class:`GraphSettings` refuses, an objective
+        :meth:`GraphSettings.check_objective` refuses, and the stages' own checks.
+
+    Example (a sketch; ``pipelines/grpo_async.py`` runs a complete one)::
+
+        p = grpo_pipeline(tasks=TaskBatches(data, prompt_tasks), source=source,
+                          weights=server, trainer=trainer, score=None, width=16, rows=32,
+                          groups=8, steps=100, truncation="zero")
+        p.run()
+        trained = p.stages["update"].state
+    """
+    settings = GraphSettings(
+        width=width, rows=rows, groups=groups, max_lag=max_lag, ahead=ahead,
+        sync_every=sync_every, oversample=oversample, timeout=timeout,
+        max_attempts=max_attempts, truncation=truncation, estimator=estimator,
+        reward_workers=reward_workers,
+    )  # fmt: skip
+    if not isinstance(trainer, TrainingStep):
+        raise TypeError(f"trainer={trainer!r}; expected a dew_pipe.Trainer")
+    settings.check_objective(trainer.objective)
+    return build_graph(
+        settings, tasks=tasks, source=source, weights=weights,
+        scorer=rescorer(trainer.objective), reward=score, trainer=trainer, steps=steps,
+        state=state, log=log, owns_source=True, name=name,
+    )  # fmt: skip
 
 
 def task_batch(tasks: list[Any]) -> pa.RecordBatch:
@@ -170,103 +489,3 @@ class TaskBatches(Source):
                     close()
             if empty:
                 raise ValueError("Dataset.train yielded no batches; expected at least one")
-
-
-def grpo_pipeline(
-    *,
-    tasks: Source,
-    source: Any,
-    weights: Any,
-    trainer: Any,
-    score: Callable[[Any, Any], float] | None,
-    width: int,
-    rows: int,
-    groups: int,
-    steps: int,
-    max_lag: int = 1,
-    ahead: int = 1,
-    sync_every: int = 1,
-    oversample: int = 0,
-    timeout: float | None = None,
-    truncation: str = "mask",
-    estimator: str = "group",
-    max_attempts: int = 3,
-    reward_workers: int = 2,
-    log: Callable[[int, dict[str, float], SchedulerRecord | None], None] | None = None,
-    name: str = "grpo_async",
-) -> Pipeline:
-    """The asynchronous GRPO graph around any source, publisher and trainer.
-
-    tasks → rollout → reward → pack → rescore → update, wired by :func:`wire`; the update
-    stage owns the ``TrainState`` (``pipeline.stages["update"].state``; set it before the run
-    to start from a given state, else ``trainer.initial_state()``) and runs
-    ``trainer.train_step`` ``steps`` times, then ends, which ends the pipeline.
-
-    Args:
-      tasks: the stage of task batches (a :class:`TaskBatches`, named "tasks").
-      source: the SessionSource rollout submits to (closed by rollout when the run ends).
-      weights: the publisher the source samples from (``load(params, version)``,
-        ``version``), e.g. a ``NativeRolloutServer``.
-      trainer: the ``dew_pipe.Trainer`` whose ``train_step`` runs each update; its
-        objective's ``packed_log_probs`` rescores every batch.
-      score: ``score(task, session)`` for a source that leaves sessions unscored; None
-        trusts the source's rewards (``PromptSource`` scores its own).
-      width, rows, groups, max_lag, ahead, sync_every, oversample, timeout, truncation,
-      estimator, max_attempts: as :class:`~dew_pipe.stages.scheduler.RolloutScheduler`.
-      steps: updates to train.
-      reward_workers: the reward stage's threads.
-      log: ``log(step, metrics, record)`` after each update (see ``Update``).
-      name: the pipeline's name.
-
-    Returns:
-      The pipeline (run it with ``pipeline.run()`` or ``RunContext.run_pipeline``).
-
-    Raises:
-      ValueError: ``max_lag`` below ``ahead + sync_every - 1``, and the stages' own checks.
-
-    Example (a sketch; ``pipelines/grpo_async.py`` runs a complete one)::
-
-        p = grpo_pipeline(tasks=TaskBatches(data, prompt_tasks), source=source,
-                          weights=server, trainer=trainer, score=None, width=16, rows=32,
-                          groups=8, steps=100, truncation="zero")
-        p.stages["update"].state = trainer.initial_state()
-        p.run()
-    """
-    import jax
-    from dew_pipe.stages.pack import Pack
-    from dew_pipe.stages.rescore import Rescore
-    from dew_pipe.stages.reward import Reward
-    from dew_pipe.stages.rollout import Rollout
-    from dew_pipe.stages.update import Update
-
-    if max_lag < ahead + sync_every - 1:
-        raise ValueError(
-            f"max_lag={max_lag}; expected at least ahead + sync_every - 1 = "
-            f"{ahead + sync_every - 1}"
-        )
-    p = Pipeline(name)
-    p.add(tasks)
-    p.add(
-        Rollout(
-            source, groups=groups, oversample=oversample, ahead=ahead, max_lag=max_lag,
-            timeout=timeout, version=lambda: weights.version, owns_source=True,
-        )
-    )  # fmt: skip
-    p.add(Reward(score, workers=reward_workers))
-    p.add(
-        Pack(
-            width=width, rows=rows, groups=groups, max_lag=max_lag, max_attempts=max_attempts,
-            truncation=truncation, estimator=estimator,
-        )
-    )  # fmt: skip
-    in_step = getattr(trainer.objective, "proximal_in_step", False) is True
-    if not in_step:  # else the objective scores the proximal policy in its own step
-        p.add(Rescore(jax.jit(trainer.objective.packed_log_probs), width=width))
-    p.add(
-        Update(
-            width=width, weights=weights, sync_every=sync_every, trainer=trainer, steps=steps,
-            log=log,
-        )
-    )  # fmt: skip
-    wire(p, ahead=ahead, reward_workers=reward_workers, rescore=None if in_step else "rescore")
-    return p

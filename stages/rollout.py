@@ -24,7 +24,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pyarrow as pa
 from dew_pipe.stages.messages import (
@@ -36,10 +35,11 @@ from dew_pipe.stages.messages import (
     stamp_sessions,
 )
 
+from dew_pipe._validate import check_float, check_int
 from dew_pipe.batches import TASKS_SCHEMA, tasks_from_arrow
 from dew_pipe.flow import Cancelled, EndOfStream, Port, Stage, StageContext
 from dew_pipe.objectives.rl.session_arrow import task_from_row
-from dew_pipe.objectives.rl.sessions import Session, Status, Task
+from dew_pipe.objectives.rl.sessions import Session, SessionSource, Status, Task
 
 __all__ = ["Rollout"]
 
@@ -73,14 +73,6 @@ class _Live:
             f"task {self.task.id} (batch {self.batch}, group {self.group}, sample "
             f"{self.sample}, attempt {self.attempt})"
         )
-
-
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"None or an int >= {minimum}" if allow_none else f"an int >= {minimum}"
-        raise ValueError(f"{name}={value!r}; expected {expected}")
 
 
 class Rollout(Stage):
@@ -140,7 +132,7 @@ class Rollout(Stage):
 
     def __init__(
         self,
-        source: Any,
+        source: SessionSource,
         *,
         groups: int,
         oversample: int = 0,
@@ -170,22 +162,14 @@ class Rollout(Stage):
                     f"source={source!r} has no {method}(); expected a SessionSource "
                     "(submit, cancel, close)"
                 )
-        _check_int("groups", groups, 1)
-        _check_int("oversample", oversample, 0)
-        _check_int("ahead", ahead, 0)
-        _check_int("max_lag", max_lag, 0, allow_none=True)
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-        ):
-            raise ValueError(f"timeout={timeout!r}; expected None or seconds > 0")
         if version is not None and not callable(version):
             raise TypeError(f"version={version!r}; expected None or a callable returning an int")
         self.source = source
-        self.groups = groups
-        self.samples = groups + oversample
-        self.ahead = ahead
-        self.max_lag = max_lag
-        self.timeout = None if timeout is None else float(timeout)
+        self.groups = check_int("groups", groups, minimum=1)
+        self.samples = self.groups + check_int("oversample", oversample, minimum=0)
+        self.ahead = check_int("ahead", ahead, minimum=0)
+        self.max_lag = check_int("max_lag", max_lag, minimum=0, allow_none=True)
+        self.timeout = check_float("timeout", timeout, above=0.0, allow_none=True)
         self._version_fn = version
         self._group_ids = itertools.count() if group_ids is None else group_ids
         self.owns_source = owns_source

@@ -1,8 +1,10 @@
 """RolloutScheduler: the Trainer's rollout for any SessionSource, run as a pipeline of stages.
 
-The scheduler is the library view of :mod:`dew_pipe.stages.graph`: the same rollout,
-reward, pack, rescore and update stages, with an ``Inlet`` that carries the Trainer's
-handovers into ``update`` and an ``Outlet`` that carries each packed, rescored batch back.
+The scheduler is the library view of :mod:`dew_pipe.stages.graph`: the graph that
+:func:`~dew_pipe.stages.graph.build_graph` makes from the scheduler's
+:class:`~dew_pipe.stages.graph.GraphSettings`, whose update stage is a
+:class:`~dew_pipe.stages.handoff.Handoff`, with an ``Inlet`` that carries the Trainer's
+handovers into it and an ``Outlet`` that carries each packed, rescored batch back.
 Sessions run on the source's own threads while the Trainer runs its compiled update
 (JAX releases the GIL there), so rollout and update overlap.
 
@@ -35,19 +37,16 @@ from typing import Any
 
 import numpy as np
 from dew_pipe.stages.admission import Ticket
-from dew_pipe.stages.graph import task_batch, wire
+from dew_pipe.stages.graph import GraphSettings, build_graph, rescorer, task_batch
+from dew_pipe.stages.handoff import served_version
 from dew_pipe.stages.messages import Handed, SchedulerRecord, Step
 from dew_pipe.stages.pack import Pack
-from dew_pipe.stages.rescore import Rescore
-from dew_pipe.stages.reward import Reward, Score
-from dew_pipe.stages.rollout import Rollout
-from dew_pipe.stages.update import Update, _served
+from dew_pipe.stages.protocols import LikelihoodScorer, TrainingState, WeightsPublisher
+from dew_pipe.stages.reward import Score
 
 from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow
 from dew_pipe.data.dataset import Dataset, Partition
-from dew_pipe.flow import EndOfStream, FlowError, FlowSnapshot, Inlet, Outlet, Pipeline
-from dew_pipe.objectives.rl.advantages import ESTIMATORS
-from dew_pipe.objectives.rl.packing import TRUNCATIONS
+from dew_pipe.flow import EndOfStream, FlowError, FlowSnapshot, Inlet, Outlet, Run
 from dew_pipe.objectives.rl.sessions import SessionSource, Task
 from dew_pipe.objectives.rl.task_rows import task_ids
 
@@ -72,19 +71,11 @@ class _Stream:
 
 @dataclasses.dataclass(eq=False)
 class _Parts:
-    run: Any
+    run: Run
     tasks: Inlet
     trainer: Inlet
     outlet: Outlet
     pack: Pack
-
-
-def _count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        expected = f"None or an int >= {minimum}" if allow_none else f"an int >= {minimum}"
-        raise ValueError(f"{name}={value!r}; expected {expected}")
 
 
 class RolloutScheduler:
@@ -98,31 +89,17 @@ class RolloutScheduler:
       source: a :class:`~dew_pipe.objectives.rl.sessions.SessionSource`.
       weights: the publisher the source samples from: ``load(params, version)`` and an int
         ``version`` (the served version; a ``NativeRolloutServer``, a ``Publication``).
-      width: W, ids per packed row.
-      rows: N, rows per batch; size it for the chains a group can split into.
-      groups: G, sessions per task (at least 2: advantages compare them).
       tasks: turns a training batch into Tasks: :func:`~dew_pipe.objectives.rl.task_ids`
         (default) or :func:`~dew_pipe.objectives.rl.prompt_tasks`.
-      max_lag: the most updates an admitted session's oldest call may lag the version it
-        trains at; at least ``ahead + sync_every - 1``. Any lag needs the objective's
-        ``behavior_importance``.
-      ahead: task batches submitted beyond the one being trained.
-      sync_every: push weights once the served version is this many updates behind.
-      oversample: K extra sessions per task; the first G to finish are admitted.
-      admit: pack a batch once this many of its groups are complete; cancel the rest.
-      timeout: cancel and resubmit a session still running this many seconds after its
-        submission (a failed attempt).
-      max_attempts: failed attempts a sample may have before its group is abandoned
-        (every resubmission, whatever its cause, uses one).
-      truncation: "mask" (default), "score" or "zero" for TRUNCATED sessions.
-      support_capacity: C, when calls record sampling supports.
       log: called with a :class:`SchedulerRecord` per batch.
-      estimator: the advantage estimator: "group", "mean" or "rloo".
       reward: ``score(task, session)`` for sources that leave sessions unscored (see
         :mod:`dew_pipe.stages.reward`); None trusts the source's rewards.
-      reward_workers: threads scoring with ``reward``.
-      audit: keep every submission's :class:`~dew_pipe.stages.admission.Ticket` in
-        ``ledger`` (memory grows with the run; for tests and debugging).
+      width, rows, groups, max_lag, ahead, sync_every, oversample, admit, timeout,
+        max_attempts, truncation, support_capacity, estimator, reward_workers, audit: the
+        graph's :class:`~dew_pipe.stages.graph.GraphSettings`, documented there (kept as
+        ``settings``). ``max_lag`` is at least ``ahead + sync_every - 1``, and any lag
+        needs the objective's ``behavior_importance``; ``audit`` keeps every submission's
+        :class:`~dew_pipe.stages.admission.Ticket` in ``ledger``.
 
     Raises:
       TypeError, ValueError: bad arguments, naming the one at fault; ``max_lag`` below
@@ -141,7 +118,7 @@ class RolloutScheduler:
         self,
         objective: Any,
         source: SessionSource,
-        weights: Any,
+        weights: WeightsPublisher,
         *,
         width: int,
         rows: int,
@@ -162,16 +139,31 @@ class RolloutScheduler:
         reward_workers: int = 4,
         audit: bool = False,
     ) -> None:
-        self._check(objective, source, weights, locals())
+        import jax
+
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"RolloutScheduler: jax.process_count() is {jax.process_count()}; one trainer "
+                "process owns the scheduler, so multi-process trainers are refused"
+            )
+        self.settings = GraphSettings(
+            width=width, rows=rows, groups=groups, max_lag=max_lag, ahead=ahead,
+            sync_every=sync_every, oversample=oversample, admit=admit, timeout=timeout,
+            max_attempts=max_attempts, truncation=truncation, estimator=estimator,
+            support_capacity=support_capacity, reward_workers=reward_workers, audit=audit,
+        )  # fmt: skip
+        for name, value in (("tasks", tasks), ("log", log), ("reward", reward)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name}={value!r}; expected a callable")
+        if not isinstance(source, SessionSource):
+            raise TypeError(f"source={source!r}; expected a SessionSource (submit, cancel, close)")
+        if not isinstance(weights, WeightsPublisher):
+            raise TypeError(f"weights={weights!r}; expected a publisher with load(params, version)")
+        served_version(weights)
+        self.settings.check_objective(objective)
         self.objective, self.source, self.weights = objective, source, weights
-        self.width, self.rows, self.groups = int(width), int(rows), int(groups)
-        self.tasks_reader = tasks
-        self.max_lag, self.ahead, self.sync_every = int(max_lag), int(ahead), int(sync_every)
-        self.oversample, self.admit, self.timeout = int(oversample), admit, timeout
-        self.max_attempts, self.truncation = int(max_attempts), truncation
-        self.support_capacity, self.log, self.estimator = support_capacity, log, estimator
-        self.reward, self.reward_workers, self.audit = reward, int(reward_workers), audit
-        self.read_ahead = self.ahead  # the Trainer reads this many batches past batch i
+        self.tasks_reader, self.log, self.reward = tasks, log, reward
+        self.read_ahead = self.settings.ahead  # the Trainer reads this many batches past i
         self.last_record: SchedulerRecord | None = None
         self.forced_stops = 0  # stops that had to cancel the pipeline (see _stop)
         self._lock = threading.RLock()
@@ -181,70 +173,8 @@ class RolloutScheduler:
         self._parts: _Parts | None = None
         self._handed = 0
         self._error: BaseException | None = None
-        self._scorer: Callable | None = None
+        self._scorer: LikelihoodScorer | None = None  # compiled once, kept across runs
         self._finished: list[Any] = []  # admissions of runs that ended
-
-    @staticmethod
-    def _check(objective: Any, source: Any, weights: Any, args: dict[str, Any]) -> None:
-        import jax
-
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"RolloutScheduler: jax.process_count() is {jax.process_count()}; one trainer "
-                "process owns the scheduler, so multi-process trainers are refused"
-            )
-        _count("width", args["width"], 2)
-        _count("rows", args["rows"], 1)
-        _count("groups", args["groups"], 2)
-        for name in ("ahead", "oversample", "max_lag"):
-            _count(name, args[name], 0)
-        for name in ("sync_every", "max_attempts", "reward_workers"):
-            _count(name, args[name], 1)
-        _count("admit", args["admit"], 1, allow_none=True)
-        _count("support_capacity", args["support_capacity"], 1, allow_none=True)
-        bound = args["ahead"] + args["sync_every"] - 1
-        if args["max_lag"] < bound:
-            raise ValueError(
-                f"max_lag={args['max_lag']}; expected at least ahead + sync_every - 1 = {bound}, "
-                "the lag a first submission can reach by construction"
-            )
-        timeout = args["timeout"]
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-        ):
-            raise ValueError(f"timeout={timeout!r}; expected None or seconds > 0")
-        if args["truncation"] not in TRUNCATIONS:
-            raise ValueError(f"truncation={args['truncation']!r}; expected one of {TRUNCATIONS}")
-        if args["estimator"] not in ESTIMATORS:
-            raise ValueError(
-                f"estimator={args['estimator']!r}; expected one of {sorted(ESTIMATORS)}"
-            )
-        for name in ("tasks", "log", "reward"):
-            if args[name] is not None and not callable(args[name]):
-                raise TypeError(f"{name}={args[name]!r}; expected a callable")
-        if not isinstance(source, SessionSource):
-            raise TypeError(f"source={source!r}; expected a SessionSource (submit, cancel, close)")
-        if not callable(getattr(weights, "load", None)):
-            raise TypeError(f"weights={weights!r}; expected a publisher with load(params, version)")
-        _served(weights)
-        if not callable(getattr(objective, "packed_log_probs", None)):
-            raise TypeError(
-                f"objective {type(objective).__name__} has no packed_log_probs(params, batch); "
-                "expected a GRPOObjective"
-            )
-        seq_len = getattr(objective, "seq_len", None)
-        if seq_len != args["width"] - 1:
-            raise ValueError(
-                f"objective.seq_len={seq_len!r} with width={args['width']}; expected "
-                f"GRPOObjective(seq_len=width - 1 = {args['width'] - 1})"
-            )
-        options = getattr(objective, "options", None)
-        if args["max_lag"] > 0 and getattr(options, "behavior_importance", None) is None:
-            raise ValueError(
-                f"max_lag={args['max_lag']} lets sessions lag the trainer, so the objective "
-                "must weight each token by proximal over behavior: set GRPOObjective("
-                "behavior_importance=...) to a TIS cap (2.0) or an IcePop band (0.5, 2.0)"
-            )
 
     # ------------------------------------------------------------------ the stream
 
@@ -303,7 +233,7 @@ class RolloutScheduler:
             )
         # The Trainer reads `ahead` batches past the one it hands over; a dataset that
         # yields one object repeatedly matches several entries, so take that position.
-        near = [k for k in found if len(fifo) - 1 - k <= self.ahead]
+        near = [k for k in found if len(fifo) - 1 - k <= self.settings.ahead]
         k = near[0] if near else found[-1]
         if any(entry.pushed for entry in fifo[:k]):
             raise RuntimeError(
@@ -317,7 +247,9 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ the Trainer's hook
 
-    def __call__(self, state: Any, batch: Mapping[str, np.ndarray], key: Any) -> dict:
+    def __call__(
+        self, state: TrainingState, batch: Mapping[str, np.ndarray], key: Any
+    ) -> dict[str, np.ndarray]:
         """Hand over ``batch``; returns it as packed, rescored rows ``{name: [N, W]}``.
 
         The sessions come from the source (``key`` is unused: sources own their sampling).
@@ -333,7 +265,7 @@ class RolloutScheduler:
         with self._lock:
             entry, after = self._match(batch)
             parts = self._running()
-            for item in (entry, *after[: self.ahead]):
+            for item in (entry, *after[: self.settings.ahead]):
                 if not item.pushed:
                     self._put(parts.tasks, item.tasks)
                     item.pushed = True
@@ -416,65 +348,23 @@ class RolloutScheduler:
             self._parts = self._start()
         return self._parts
 
-    def _score(self) -> Callable:
-        if self._scorer is None:
-            import jax
-
-            self._scorer = jax.jit(self.objective.packed_log_probs)
-        return self._scorer
-
     def _start(self) -> _Parts:
-        tasks = Inlet("tasks", output_type=TASKS_SCHEMA, capacity=self.ahead + 1)
+        ahead = self.settings.ahead
+        tasks = Inlet("tasks", output_type=TASKS_SCHEMA, capacity=ahead + 1)
         trainer = Inlet("trainer", output_type=Step, capacity=1)
         outlet = Outlet("batches", input_type=Handed, capacity=1)
-        rollout = Rollout(
-            self.source,
-            groups=self.groups,
-            oversample=self.oversample,
-            ahead=self.ahead,
-            max_lag=self.max_lag,
-            timeout=self.timeout,
-            version=lambda: _served(self.weights),
-            group_ids=self._group_ids,
-        )
-        pack = Pack(
-            width=self.width,
-            rows=self.rows,
-            groups=self.groups,
-            admit=self.admit,
-            max_lag=self.max_lag,
-            max_attempts=self.max_attempts,
-            truncation=self.truncation,
-            estimator=self.estimator,
-            support_capacity=self.support_capacity,
-            audit=self.audit,
-        )
-        common = {"width": self.width, "support_capacity": self.support_capacity}
-        # An objective that takes the proximal likelihoods from its own forward pass needs
-        # no rescoring: pack hands its rows straight to update.
-        in_step = getattr(self.objective, "proximal_in_step", False) is True
-        stages = [
-            tasks,
-            rollout,
-            Reward(self.reward, workers=self.reward_workers),
-            pack,
-            *([] if in_step else [Rescore(self._score(), **common)]),
-            Update(weights=self.weights, sync_every=self.sync_every, **common),
-            trainer,
-            outlet,
-        ]
-        pipeline = Pipeline("rollout-scheduler")
-        for stage in stages:
-            pipeline.add(stage)
-        wire(
-            pipeline,
-            ahead=self.ahead,
-            reward_workers=self.reward_workers,
-            rescore=None if in_step else "rescore",
-        )
+        if self._scorer is None:
+            self._scorer = rescorer(self.objective)
+        pipeline = build_graph(
+            self.settings, tasks=tasks, source=self.source, weights=self.weights,
+            scorer=self._scorer, reward=self.reward, group_ids=self._group_ids,
+            name="rollout-scheduler",
+        )  # fmt: skip
+        pipeline.add(trainer)
+        pipeline.add(outlet)
         pipeline.connect("trainer", "update.trainer", capacity=1)
         pipeline.connect("update.batches", "batches", capacity=1)
-        return _Parts(pipeline.start(), tasks, trainer, outlet, pack)
+        return _Parts(pipeline.start(), tasks, trainer, outlet, pipeline.stages["pack"])
 
     def _retire(self) -> None:
         parts, self._parts = self._parts, None

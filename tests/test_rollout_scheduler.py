@@ -364,15 +364,15 @@ def test_prompt_rows_reach_the_source_as_tasks_with_their_prompt():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        (dict(ahead=2, sync_every=1, max_lag=1), "max_lag=1; expected at least .* = 2"),
-        (dict(ahead=1, sync_every=3, max_lag=2), "max_lag=2; expected at least .* = 3"),
-        (dict(groups=1), "groups=1; expected an int >= 2"),
+        (dict(ahead=2, sync_every=1, max_lag=1), "max_lag is 1 with .*; expected at least .* = 2"),
+        (dict(ahead=1, sync_every=3, max_lag=2), "max_lag is 2 with .*; expected at least .* = 3"),
+        (dict(groups=1), "groups is 1; expected an int >= 2"),
         (dict(width=20), r"objective.seq_len=15 with width=20"),
-        (dict(truncation="drop"), "truncation='drop'"),
-        (dict(estimator="best"), "estimator='best'"),
-        (dict(admit=0), "admit=0"),
-        (dict(timeout=0), "timeout=0"),
-        (dict(max_attempts=0), "max_attempts=0"),
+        (dict(truncation="drop"), "truncation is 'drop'"),
+        (dict(estimator="best"), "estimator is 'best'"),
+        (dict(admit=0), "admit is 0"),
+        (dict(timeout=0), "timeout is 0"),
+        (dict(max_attempts=0), "max_attempts is 0"),
     ],
 )
 def test_construction_refuses_bad_settings(kw, message):

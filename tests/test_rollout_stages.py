@@ -187,7 +187,12 @@ def test_docstring_examples_of_the_stages_run():
         failed, tried = doctest.testmod(module)
         assert failed == 0, name
         attempted += tried
-    for name in ("dew_pipe.stages.update", "dew_pipe.objectives.rl.task_rows"):
+    for name in (
+        "dew_pipe.stages.handoff",
+        "dew_pipe.stages.train",
+        "dew_pipe.stages.protocols",
+        "dew_pipe.objectives.rl.task_rows",
+    ):
         failed, tried = doctest.testmod(importlib.import_module(name))
         assert failed == 0, name
         attempted += tried
