@@ -109,7 +109,8 @@ class Map(Stage):
       in_port, out_port: port names.
       timeout: as for ``Stage`` (time waiting for a worker's result counts).
 
-    A failure names the index of the item whose ``fn`` raised.
+    A failure names the index of the item whose ``fn`` raised; a timeout, the oldest item
+    still in the pool.
 
     Example:
       >>> Map("double", lambda x: 2 * x, input_type=int, workers=2).workers
@@ -197,6 +198,7 @@ class Map(Stage):
     def _wait(self, ctx: StageContext, pending: deque) -> None:
         """Block until the next emittable result is ready, or raise Cancelled."""
         watched = [pending[0][1]] if self.ordered else [f for _, f in pending]
+        ctx.item = pending[0][0]  # a timeout meanwhile blames the oldest item in the pool
         while not ctx.cancelled:
             done, _ = cf.wait(watched, timeout=_CANCEL_POLL_S, return_when=cf.FIRST_COMPLETED)
             if done:
