@@ -42,4 +42,7 @@ def test_dry_run_shows_the_graph_with_its_feedback_edges(capsys):
 
 def test_a_lag_bound_below_what_the_schedule_allows_is_refused(capsys):
     assert main(["run", str(PIPELINE), "--dry-run", "--set", "ahead=2"]) != 0
-    assert "max_lag=1; expected at least ahead + sync_every - 1 = 2" in capsys.readouterr().err
+    expected = (
+        "max_lag is 1 with ahead=2 and sync_every=1; expected at least ahead + sync_every - 1 = 2"
+    )
+    assert expected in capsys.readouterr().err
