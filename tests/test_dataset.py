@@ -64,10 +64,10 @@ def test_dataset_val():
         ({"train": 3, "batch": 8}, TypeError, "Dataset.train=3 is not callable"),
         ({"train": iter, "val": 5, "batch": 8}, TypeError, "Dataset.val=5 is not callable"),
         ({"train": iter}, ValueError, "Dataset.batch is missing"),
-        ({"train": iter, "batch": 0}, ValueError, r"Dataset.batch=0; expected an int >= 1"),
-        ({"train": iter, "batch": True}, TypeError, "Dataset.batch=True has type bool"),
-        ({"train": iter, "batch": 2.0}, TypeError, "Dataset.batch=2.0 has type float"),
-        ({"train": iter, "batch": 8, "records": -1}, ValueError, "Dataset.records=-1"),
+        ({"train": iter, "batch": 0}, ValueError, r"Dataset.batch is 0; expected an int >= 1"),
+        ({"train": iter, "batch": True}, TypeError, "Dataset.batch is True; expected an int"),
+        ({"train": iter, "batch": 2.0}, TypeError, "Dataset.batch is 2.0; expected an int"),
+        ({"train": iter, "batch": 8, "records": -1}, ValueError, "Dataset.records is -1"),
     ],
 )
 def test_dataset_rejects_bad_fields(kwargs, error, message):
@@ -83,7 +83,7 @@ def test_partition():
         Partition(0, 4).local_batch(6)
     with pytest.raises(ValueError, match=r"Partition.index=2; expected an int below count=2"):
         Partition(2, 2)
-    with pytest.raises(ValueError, match=r"Partition.count=0"):
+    with pytest.raises(ValueError, match=r"Partition.count is 0"):
         Partition(0, 0)
 
 
@@ -107,11 +107,11 @@ def test_check_batch():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"workers": -1}, ValueError, r"Loading.workers=-1; expected an int >= 0"),
-        ({"threads": 0}, ValueError, r"Loading.threads=0; expected an int >= 1"),
-        ({"read_buffer": -2}, ValueError, r"Loading.read_buffer=-2; expected an int >= 0"),
-        ({"threads": True}, TypeError, "Loading.threads=True has type bool"),
-        ({"workers": "2"}, TypeError, "Loading.workers='2' has type str"),
+        ({"workers": -1}, ValueError, r"Loading.workers is -1; expected an int >= 0"),
+        ({"threads": 0}, ValueError, r"Loading.threads is 0; expected an int >= 1"),
+        ({"read_buffer": -2}, ValueError, r"Loading.read_buffer is -2; expected an int >= 0"),
+        ({"threads": True}, TypeError, "Loading.threads is True; expected an int"),
+        ({"workers": "2"}, TypeError, "Loading.workers is '2'; expected an int"),
     ],
 )
 def test_loading_rejects_bad_fields(kwargs, error, message):

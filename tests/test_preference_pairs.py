@@ -210,7 +210,7 @@ def test_malformed_json_names_the_record():
             "both val_records and val_path",
         ),
         ({"records": ("{}",), "seq_len": 1}, ValueError, "seq_len is 1; expected an int >= 2"),
-        ({"records": ("{}",), "seq_len": 4.0}, TypeError, "seq_len is float"),
+        ({"records": ("{}",), "seq_len": 4.0}, TypeError, "seq_len is 4.0; expected an int"),
         ({"records": ("{}",), "pad_id": -1}, ValueError, "pad_id is -1"),
         ({"records": ("{}",), "loading": {"threads": 2}}, TypeError, "loading is dict"),
         ({"path": 3}, TypeError, "path is int"),

@@ -481,7 +481,7 @@ def test_source_errors(tmp_path):
         Prompts(records=[{"prompt": [1]}], val_path="v.jsonl", val_records=[], max_prompt_len=2)
     with pytest.raises(ValueError, match="max_prompt_len is missing"):
         Prompts(records=[{"prompt": [1]}])
-    with pytest.raises(ValueError, match=r"max_prompt_len is 0; expected an int in \[1"):
+    with pytest.raises(ValueError, match=r"max_prompt_len is 0; expected an int >= 1"):
         Prompts(records=[{"prompt": [1]}], max_prompt_len=0)
     csv = tmp_path / "rows.csv"
     csv.write_text("prompt\n1\n")

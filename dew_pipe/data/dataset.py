@@ -22,20 +22,13 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from dew_pipe._validate import check_int
+
 __all__ = ["Batch", "Dataset", "Loading", "Partition", "Prefetch", "check_batch"]
 
 T = TypeVar("T")
 U = TypeVar("U")
 Batch = Mapping[str, np.ndarray]
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """Return ``value`` if it is an int (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} has type {type(value).__name__}; expected an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r}; expected an int >= {minimum}")
-    return int(value)
 
 
 class _PartitionFields(NamedTuple):
@@ -64,8 +57,8 @@ class Partition(_PartitionFields):
     __slots__ = ()
 
     def __new__(cls, index: int, count: int) -> Partition:
-        count = _check_int("Partition.count", count, 1)
-        index = _check_int("Partition.index", index, 0)
+        count = check_int("Partition.count", count, minimum=1)
+        index = check_int("Partition.index", index, minimum=0)
         if index >= count:
             raise ValueError(f"Partition.index={index}; expected an int below count={count}")
         return super().__new__(cls, index, count)
@@ -135,9 +128,9 @@ class Dataset:
             )
         if self.batch is None:
             raise ValueError("Dataset.batch is missing; expected the examples per step, an int")
-        _check_int("Dataset.batch", self.batch, 1)
+        check_int("Dataset.batch", self.batch, minimum=1)
         if self.records is not None:
-            _check_int("Dataset.records", self.records, 0)
+            check_int("Dataset.records", self.records, minimum=0)
 
     def open_train(self, partition: Partition) -> Iterator[Batch]:
         """Open a fresh training iterator for ``partition``."""
@@ -270,7 +263,7 @@ class Prefetch(Iterator[T]):
     """
 
     def __init__(self, source: Iterable[T], buffer: int) -> None:
-        _check_int("Prefetch.buffer", buffer, 1)
+        check_int("Prefetch.buffer", buffer, minimum=1)
         self._queue: queue.Queue = queue.Queue(maxsize=buffer)
         self._stop = threading.Event()
         self._done = False
@@ -363,9 +356,9 @@ class Loading:
     read_buffer: int = 2
 
     def __post_init__(self) -> None:
-        _check_int("Loading.workers", self.workers, 0)
-        _check_int("Loading.threads", self.threads, 1)
-        _check_int("Loading.read_buffer", self.read_buffer, 0)
+        check_int("Loading.workers", self.workers, minimum=0)
+        check_int("Loading.threads", self.threads, minimum=1)
+        check_int("Loading.read_buffer", self.read_buffer, minimum=0)
 
     def prefetch(self, source: Iterable[T]) -> LoadingIterator[T]:
         """Read ``source`` in a background thread, ``read_buffer`` items ahead."""

@@ -22,7 +22,6 @@ import io
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from dew_pipe._validate import check_int
 from dew_pipe.data.dataset import Batch, Dataset, Loading, Partition
 from dew_pipe.data.packing import RowBatches, padded_batches
 
@@ -42,14 +42,6 @@ _INT32_MAX = np.iinfo(np.int32).max
 _PARQUET = (".parquet", ".pq")
 _JSONL = (".jsonl", ".ndjson", ".json")
 _RECORDS_PER_CHUNK = 4096  # JSON records parsed per call; chunks spread over Loading threads
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} is {type(value).__name__} {value!r}; expected an int")
-    if value < minimum:
-        raise ValueError(f"{name} is {value}; expected an int >= {minimum}")
-    return int(value)
 
 
 # ---------------------------------------------------------------- reading
@@ -348,12 +340,10 @@ class PreferencePairs:
             raise TypeError(f"loading is {type(loading).__name__}; expected a dew_pipe.Loading")
         self.records, self.path = records, path
         self.val_records, self.val_path = val_records, val_path
-        self.seq_len = _check_int("seq_len", seq_len, 2)
-        self.pad_id = _check_int("pad_id", pad_id, 0)
-        if self.pad_id > _INT32_MAX:
-            raise ValueError(f"pad_id is {self.pad_id}; expected an id in [0, {_INT32_MAX}]")
+        self.seq_len = check_int("seq_len", seq_len, minimum=2)
+        self.pad_id = check_int("pad_id", pad_id, minimum=0, maximum=_INT32_MAX)
         self.loading = loading or Loading()
-        self.shuffle, self.seed = bool(shuffle), _check_int("seed", seed, 0)
+        self.shuffle, self.seed = bool(shuffle), check_int("seed", seed, minimum=0)
         self.stats: dict[str, dict[str, float]] = {}
         self._cache: dict[str, Batch] = {}
 
@@ -409,7 +399,7 @@ class PreferencePairs:
         Raises:
             ValueError: ``batch`` below 1, or a reading or layout error naming the row.
         """
-        batch = _check_int("batch", batch, 1)
+        batch = check_int("batch", batch, minimum=1)
         train = self.pairs("train")
         has_val = self.val_records is not None or self.val_path is not None
         val = self.pairs("val") if has_val else None

@@ -36,35 +36,31 @@ from typing import Any
 
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.data.dataset import Batch, Dataset, Loading, Partition
 from dew_pipe.data.prompt_rows import METADATA_FIELDS, PromptRecord, parse_record, read_records
 from dew_pipe.data.text_columns import decode_text_column, encode_text_column
 
 __all__ = ["Prompts", "decode_text_column", "encode_text_column"]
 
-_ID_LIMIT = 2**31
-
-
-def _check_int(name: str, value: Any, minimum: int, limit: int = _ID_LIMIT) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} is {type(value).__name__} {value!r}; expected an int")
-    if not minimum <= value < limit:
-        raise ValueError(f"{name} is {value}; expected an int in [{minimum}, {limit})")
-    return int(value)
+_INT32_MAX = 2**31 - 1  # sizes and ids are stored as int32
 
 
 def _metadata_limits(value: Any) -> dict[str, int]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        width = _check_int("max_metadata_bytes", value, 0)
+        width = check_int("max_metadata_bytes", value, minimum=0, maximum=_INT32_MAX)
         return dict.fromkeys(METADATA_FIELDS, width)
     unknown = sorted(set(value) - set(METADATA_FIELDS))
     if unknown:
         raise ValueError(
             f"max_metadata_bytes has keys {unknown}; expected some of {list(METADATA_FIELDS)}"
         )
-    return {k: _check_int(f"max_metadata_bytes[{k!r}]", v, 0) for k, v in value.items()}
+    return {
+        k: check_int(f"max_metadata_bytes[{k!r}]", v, minimum=0, maximum=_INT32_MAX)
+        for k, v in value.items()
+    }
 
 
 def _render(tokenizer: Any, record: PromptRecord) -> str:
@@ -193,7 +189,9 @@ class Prompts:
             raise ValueError("Prompts got both val_path and val_records; expected at most one")
         if max_prompt_len is None:
             raise ValueError("max_prompt_len is missing; expected an int >= 1 (the width P)")
-        self.max_prompt_len = _check_int("max_prompt_len", max_prompt_len, 1)
+        self.max_prompt_len = check_int(
+            "max_prompt_len", max_prompt_len, minimum=1, maximum=_INT32_MAX
+        )
         if not isinstance(column, str) or not column:
             raise TypeError(f"column is {column!r}; expected a non-empty str")
         if loading is not None and not isinstance(loading, Loading):
@@ -205,14 +203,17 @@ class Prompts:
                 f"tokenizer is {type(tokenizer).__name__}; expected a transformers tokenizer, "
                 "a local tokenizer directory or a Hub name"
             )
-        self._pad_id = None if pad_id is None else _check_int("pad_id", pad_id, 0)
+        self._pad_id = (
+            None if pad_id is None else check_int("pad_id", pad_id, minimum=0, maximum=_INT32_MAX)
+        )
         self._limits = _metadata_limits(max_metadata_bytes)
         self._sources = {"train": (path, records), "val": (val_path, val_records)}
         self._tokenizer_spec = tokenizer
         self._tokenizer: Any = None if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
         self.column = column
         self.add_special_tokens = bool(add_special_tokens)
-        self.shuffle, self.seed = bool(shuffle), _check_int("seed", seed, 0, 2**63)
+        self.shuffle = bool(shuffle)
+        self.seed = check_int("seed", seed, minimum=0, maximum=2**63 - 1)
         self.loading = loading or Loading()
         self.stats: dict[str, dict[str, Any]] = {}
         self._parsed: dict[str, tuple[list[PromptRecord], list[list[int]]]] = {}
@@ -399,7 +400,7 @@ class Prompts:
         """
         from dew_pipe.data.packing import RowBatches
 
-        batch = _check_int("batch", batch, 1)
+        batch = check_int("batch", batch, minimum=1, maximum=_INT32_MAX)
         train = self.arrays("train")
         val = self.arrays("val") if self.has_val else None
 
