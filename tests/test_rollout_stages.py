@@ -74,7 +74,7 @@ def test_reward_scores_unscored_sessions_and_turns_failures_into_infra_errors():
 
 
 def test_rescore_replaces_old_log_probs_on_sampled_ids_only():
-    sessions = [_session(float(k), task=1) for k in range(2)]
+    sessions = [_session(float(k), task=1 + k) for k in range(2)]  # two sessions, not one twice
     columns = pack(sessions, W, rows=2)
     rb = packed_to_arrow(columns)
     got = []

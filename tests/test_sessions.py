@@ -312,7 +312,7 @@ def test_session_metrics_refuses_mismatches():
 
 @pytest.mark.parametrize(
     "module",
-    ["advantages", "sessions", "packing", "session_stats", "session_arrow"],
+    ["advantages", "sessions", "session_records", "packing", "session_stats", "session_arrow"],
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"dew_pipe.objectives.rl.{module}")
