@@ -3,6 +3,7 @@ bypass mode, validation, prompt perplexity and a short Trainer run."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -46,7 +47,8 @@ def batch():
 def support_batch():
     sessions = single_call_sessions(2, count=5, support=True)
     # One session without a recorded support: its ids are scored over the whole vocabulary.
-    sessions += single_call_sessions(3, count=1)
+    # (As task 2: under its helper's identity, task 0 sample 0, it would be sessions[0] twice.)
+    sessions += [dataclasses.replace(s, task=2) for s in single_call_sessions(3, count=1)]
     return pack(sessions, WIDTH, support_capacity=48)
 
 
