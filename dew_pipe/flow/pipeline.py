@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from dew_pipe.flow.errors import BuildError
 from dew_pipe.flow.ports import describe, incompatibility
+from dew_pipe.flow.runtime import Run
 from dew_pipe.flow.stage import Stage
 
 if TYPE_CHECKING:
     from dew_pipe.flow.metrics import FlowSnapshot
-    from dew_pipe.flow.runtime import Run
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,6 @@ class Pipeline:
         Raises:
           BuildError: a graph check failed (no thread was started).
         """
-        from dew_pipe.flow.runtime import Run
-
         self.check()
         return Run(
             self,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dew_pipe.flow.edges import Edge, Inbox
 from dew_pipe.flow.errors import (
@@ -34,10 +34,7 @@ from dew_pipe.flow.errors import (
     StageTimeout,
 )
 from dew_pipe.flow.metrics import EdgeStats, FlowSnapshot, StageStats
-from dew_pipe.flow.stage import StageContext, StageState
-
-if TYPE_CHECKING:
-    from dew_pipe.flow.pipeline import Pipeline
+from dew_pipe.flow.stage import Stage, StageContext, StageState
 
 # Supervisor tick: the latency of timeouts, outside cancellation and the end of a drained
 # cycle (an idle stage in a cycle nudges the supervisor at once, so that path is faster).
@@ -54,6 +51,21 @@ class _Cycle:
     inputs: list[Edge]  # every edge into a stage of the cycle
     ended: bool = False
     stuck_ticks: int = 0  # consecutive ticks a wait-for loop was seen
+
+
+class Graph(Protocol):
+    """What a run reads of the pipeline it runs; ``Pipeline`` is the implementation (the
+    protocol keeps this module from importing the one that starts it)."""
+
+    name: str
+
+    @property
+    def stages(self) -> Mapping[str, Stage]: ...
+
+    @property
+    def edges(self) -> Sequence[Any]: ...  # EdgeSpec: src, src_port, dst, dst_port, ...
+
+    def cyclic_groups(self) -> list[tuple[frozenset[str], list[Any]]]: ...
 
 
 def _one_line(exc: BaseException) -> str:
@@ -87,7 +99,7 @@ class Run:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: Graph,
         *,
         timeout: float | None,
         cancel: threading.Event | None,
