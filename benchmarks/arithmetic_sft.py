@@ -12,7 +12,7 @@ groups that would give GRPO a nonzero advantage).
 The machine may be shared: wall seconds then stretch with the load, CPU seconds much less.
 
 Example:
-    /work/venv/bin/python benchmarks/arithmetic_sft.py --digits 3 --steps 1500 --probe-every 250
+    .venv/bin/python benchmarks/arithmetic_sft.py --digits 3 --steps 1500 --probe-every 250
 """
 
 from __future__ import annotations

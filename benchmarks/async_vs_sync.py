@@ -35,8 +35,8 @@ round, the faster of ``sync-2core`` and ``sync-1core`` over ``async``.
 
 Usage::
 
-    /work/venv/bin/python benchmarks/async_vs_sync.py              # the RESULTS.md table
-    /work/venv/bin/python benchmarks/async_vs_sync.py --rounds 1 --steps 6 --modes async
+    .venv/bin/python benchmarks/async_vs_sync.py              # the RESULTS.md table
+    .venv/bin/python benchmarks/async_vs_sync.py --rounds 1 --steps 6 --modes async
 """
 
 from __future__ import annotations

@@ -6,12 +6,13 @@ Throughput. One model config and one batch of preference pairs feed both sides:
   ``PreferencePairs`` dataset, resumed round after round from the returned state, so each
   measured step is the library's whole step: host batch, checks, transfer, the compiled
   update (policy forward and backward over the ``2B`` rows, reference forward).
-* TRL 1.16 (a subprocess in the parity venv, ``--trl-worker``): ``DPOTrainer`` built on the
-  same weights (saved with ``Pretrained.save``, loaded with ``from_pretrained``) for policy and
-  reference, and per step what ``Trainer.train`` runs for one batch: ``training_step`` (TRL's
-  ``compute_loss`` and backward), gradient clipping to norm 1, ``optimizer.step`` and
-  ``zero_grad``, with the optimizer TRL creates (AdamW, weight decay 0; the learning-rate
-  schedule is not stepped, so both sides run Adam at a constant rate).
+* TRL 1.16 (a subprocess in the reference environment, ``--trl-worker``): ``DPOTrainer``
+  built on the same weights (saved with ``Pretrained.save``, loaded with ``from_pretrained``)
+  for policy and reference, and per step what ``Trainer.train`` runs for one batch:
+  ``training_step`` (TRL's ``compute_loss`` and backward), gradient clipping to norm 1,
+  ``optimizer.step`` and ``zero_grad``, with the optimizer TRL creates (AdamW, weight
+  decay 0; the learning-rate schedule is not stepped, so both sides run Adam at a constant
+  rate).
 
 Both sides start from the same weights and see the same batch every step, so their losses
 must agree step for step (to float32 rounding); the report prints each side's mean loss over
@@ -25,10 +26,12 @@ Learning check. ``--learn-steps`` DPO steps from scratch on the generated digit-
 (``dew_pipe.data.synthetic``), then the held-out preference accuracy: the share of unseen
 pairs whose chosen reward ``beta * (log pi - log ref)`` strictly beats the rejected one.
 
-Run from the repository root::
+Run from the repository root (the TRL side's interpreter: ``--reference-python``, else
+``$DEW_PIPE_REFERENCE_PYTHON``, else ``.reference-venv/bin/python``, which
+``benchmarks/reference_env.sh`` builds; see ``benchmarks/reference.py``)::
 
-    /work/venv/bin/python benchmarks/dpo_step.py            # both parts
-    /work/venv/bin/python benchmarks/dpo_step.py --learn-steps 0   # throughput only
+    .venv/bin/python benchmarks/dpo_step.py            # both parts
+    .venv/bin/python benchmarks/dpo_step.py --learn-steps 0   # throughput only
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from reference import add_reference_argument, reference_python
 
-PARITY_PYTHON = "/work/parity-venv/bin/python"
 CONFIG = dict(
     vocab_size=4096,
     emb_features=256,
@@ -80,7 +83,7 @@ def make_pairs(pairs: int, width: int, vocab: int, seed: int = 0) -> list[dict]:
 
 
 def trl_worker(args: argparse.Namespace) -> None:
-    """Runs in the parity venv: answers ``run N`` on stdin with the seconds N steps took."""
+    """Runs in the reference environment: answers ``run N`` on stdin with the seconds N steps took."""
     import torch
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -156,8 +159,8 @@ def trl_worker(args: argparse.Namespace) -> None:
 class TRLSide:
     """The TRL worker process, driven over a pipe."""
 
-    def __init__(self, model: Path, pairs: Path, threads: int, lr: float = LR) -> None:
-        command = [PARITY_PYTHON, __file__, "--trl-worker", "--model", str(model)]
+    def __init__(self, python: str, model: Path, pairs: Path, threads: int, lr: float = LR) -> None:
+        command = [python, __file__, "--trl-worker", "--model", str(model)]
         command += ["--pairs", str(pairs), "--threads", str(threads), "--lr", repr(lr)]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
         self.process = subprocess.Popen(
@@ -249,7 +252,7 @@ def throughput(args: argparse.Namespace, work: Path) -> dict:
         "reference_mib": tree_bytes(state.ema) / 2**20,
         "optimizer_mib": tree_bytes(state.opt_state) / 2**20,
     }
-    trl = TRLSide(work / "model", pairs_file, args.threads)
+    trl = TRLSide(args.reference_python, work / "model", pairs_file, args.threads)
     ours, theirs, losses = [], [], {}
     try:
         state = trainer.fit(data, steps=args.warmup, log_every=10**6, state=state)
@@ -347,7 +350,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--learn-steps", type=int, default=300, help="0 skips the learning check")
+    add_reference_argument(parser)
     args = parser.parse_args()
+    args.reference_python = reference_python(args.reference_python)
     report: dict = {"config": CONFIG, "pairs": args.pairs, "beta": BETA, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         report["throughput"] = throughput(args, Path(tmp))

@@ -7,11 +7,12 @@ which loads it with ``LlamaForCausalLM.from_pretrained`` and calls ``generate`` 
 KV cache (greedy, no EOS, so every row runs the full budget on both sides).
 
 The torch side runs in a separate interpreter (dew_pipe never imports torch): the Python of
-the parity environment, found from ``--torch-python``, else the ``DEW_TORCH_PYTHON``
-environment variable, else ``/work/parity-venv/bin/python``. It stays up for the whole run
-and times one ``generate`` call per request, so the two sides alternate round by round on
-a machine shared with other work; each side reports the median of its rounds. Both use
-float32.
+the reference environment, found from ``--reference-python``, else the
+``DEW_PIPE_REFERENCE_PYTHON`` environment variable, else ``.reference-venv/bin/python``, which
+``benchmarks/reference_env.sh`` builds (``benchmarks/reference.py``). It stays up for the
+whole run and times one ``generate`` call per request, so the two sides alternate round by
+round on a machine shared with other work; each side reports the median of its rounds. Both
+use float32.
 
 Threads: XLA runs this model's decode step on one core (its CPU time equals its wall
 time), and torch runs with one intra-op thread by default here (``--torch-threads``). On a
@@ -23,20 +24,21 @@ depending on the neighbours, which measures the machine rather than the library.
 Default sizes (issue 5): vocab 4096, hidden 256, 4 layers, 8 heads, 4 kv heads,
 intermediate 704; batch 16, prompt 32, 64 new tokens. Goal: >= 3x transformers.
 
-    python benchmarks/generate.py [--rounds 15] [--torch-python PATH]
+    .venv/bin/python benchmarks/generate.py [--rounds 15] [--reference-python PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from reference import add_reference_argument, reference_python
 
 CONFIG = dict(
     vocab_size=4096,
@@ -47,11 +49,10 @@ CONFIG = dict(
     mlp_features=704,
     max_seq_len=256,
 )
-DEFAULT_TORCH = "/work/parity-venv/bin/python"
 
 
 def torch_worker(directory: str, threads: int) -> None:
-    """Runs in the parity environment: loads the checkpoint, answers 'run' with a timing."""
+    """Runs in the reference environment: loads the checkpoint, answers 'run' with a timing."""
     import numpy as np
     import torch
     import transformers
@@ -109,16 +110,6 @@ class TorchSide:
         if self.process.poll() is None:
             self.process.stdin.close()
             self.process.wait(timeout=60)
-
-
-def find_torch_python(given: str | None) -> str:
-    python = given or os.environ.get("DEW_TORCH_PYTHON") or DEFAULT_TORCH
-    if not Path(python).exists():
-        raise SystemExit(
-            f"torch python {python!r} not found; pass --torch-python or set DEW_TORCH_PYTHON "
-            "to the parity environment's interpreter (torch + transformers)"
-        )
-    return python
 
 
 def report(args: argparse.Namespace, runs: dict) -> None:
@@ -201,7 +192,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--torch-python", default=None)
+    add_reference_argument(parser)
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -213,7 +204,7 @@ def main() -> None:
     if args.torch_worker:
         torch_worker(args.torch_worker, args.torch_threads)
         return
-    report(args, measure(args, find_torch_python(args.torch_python)))
+    report(args, measure(args, reference_python(args.reference_python)))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ step, and a logit is a sum over more of them in a wider model.
 
 Usage::
 
-    /work/venv/bin/python benchmarks/grpo_story.py            # the table in RESULTS.md
-    /work/venv/bin/python benchmarks/grpo_story.py --seeds 1 --widths 128 --runs 1e-4:20
+    .venv/bin/python benchmarks/grpo_story.py            # the table in RESULTS.md
+    .venv/bin/python benchmarks/grpo_story.py --seeds 1 --widths 128 --runs 1e-4:20
 
 Each row prints before/after counts per seed, the mean reward of the last GRPO step, and
 the seconds per GRPO step after the first (rollout of 32 completions + update).

@@ -6,7 +6,7 @@ One Llama-style config, one set of weights and one batch feed every side:
   on a ``Dataset`` that repeats the batch, resumed round after round from the returned
   state, so a measured step is the library's whole step (host batch, checks, transfer, the
   compiled update: forward, backward, AdamW).
-* PyTorch (subprocesses in the parity venv): ``LlamaForCausalLM`` loaded with
+* PyTorch (subprocesses in the reference environment): ``LlamaForCausalLM`` loaded with
   ``from_pretrained`` from the weights dew_pipe saved with ``Pretrained.save``, SDPA
   attention, ``torch.optim.AdamW`` with the same hyperparameters; a step is forward, the
   same next-token cross-entropy (mean over the ``B * L`` targets), backward,
@@ -41,10 +41,11 @@ PyTorch runs with the environment as given.
 
 Run from the repository root::
 
-    /work/venv/bin/python benchmarks/train_step.py [--python /work/parity-venv/bin/python]
+    .venv/bin/python benchmarks/train_step.py [--reference-python PATH]
 
-The PyTorch interpreter comes from ``--python``, else ``DEW_PIPE_PARITY_PYTHON``, else
-``/work/parity-venv/bin/python``; it needs torch and transformers.
+The PyTorch interpreter comes from ``--reference-python``, else ``DEW_PIPE_REFERENCE_PYTHON``,
+else ``.reference-venv/bin/python``; ``benchmarks/reference_env.sh`` builds that environment
+(torch and transformers; ``benchmarks/reference.py`` says how it is found).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from reference import add_reference_argument, reference_python
 
-DEFAULT_PYTHON = "/work/parity-venv/bin/python"
 CONFIG = dict(
     vocab_size=4096,
     emb_features=256,
@@ -119,7 +120,7 @@ def _serve(ready: dict, run, peak) -> None:
 
 
 def torch_worker(args: argparse.Namespace) -> None:
-    """Runs in the parity venv: eager or compiled transformers Llama + AdamW."""
+    """Runs in the reference environment: eager or compiled transformers Llama + AdamW."""
     import torch
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
@@ -390,7 +391,7 @@ def _print(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--python", help="interpreter with torch + transformers")
+    add_reference_argument(parser)
     parser.add_argument("--batch", type=int, default=8, help="rows per step")
     parser.add_argument("--seq-len", type=int, default=256, help="predicted tokens per row")
     parser.add_argument("--steps", type=int, default=3, help="steps per measured round")
@@ -423,10 +424,7 @@ def main() -> None:
     if args.worker == "dew":
         dew_worker(args)
         return
-    python = args.python or os.environ.get("DEW_PIPE_PARITY_PYTHON") or DEFAULT_PYTHON
-    if not Path(python).exists():
-        parser.error(f"--python {python} does not exist; pass the parity venv's interpreter")
-    report = measure(args, python)
+    report = measure(args, reference_python(args.reference_python))
     _print(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

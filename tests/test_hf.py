@@ -29,7 +29,7 @@ from dew_pipe.models import Pretrained, load_pretrained
 PARITY = Path(__file__).parent / "parity"
 HF = PARITY / "fixtures" / "hf"
 NAMES = ("llama_gqa_untied", "llama_tied_llama3_rope", "qwen3_gqa_tied", "qwen3_untied_sharded")
-RERECORD = "re-run `/work/parity-venv/bin/python tests/parity/record_hf.py roundtrip`"
+RERECORD = "re-run `.reference-venv/bin/python tests/parity/record_hf.py roundtrip`"
 
 
 def _hf_saves():

@@ -1,11 +1,12 @@
-"""Checkpoints written by `Pretrained.save`, for the transformers round trip (dev venv side).
+"""Checkpoints written by `Pretrained.save`, for the transformers round trip (dew_pipe side).
 
-The parity script (record_hf.py, torch venv) runs this file with the dev virtualenv to get
+The parity script (record_hf.py, in the reference environment) runs this file with the
+project's own interpreter to get
 checkpoints dew_pipe wrote, loads them with transformers and records what it saw in
 ``fixtures/hf/roundtrip.json``. tests/test_hf.py imports it to write the very same
 checkpoints again and checks that they are byte-identical to the ones transformers checked.
 
-Usage: ``/work/venv/bin/python tests/parity/hf_saves.py FIXTURES_HF_DIR OUT_DIR``; prints a
+Usage: ``.venv/bin/python tests/parity/hf_saves.py FIXTURES_HF_DIR OUT_DIR``; prints a
 JSON list of the variants written.
 """
 

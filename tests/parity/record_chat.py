@@ -1,8 +1,9 @@
 """Record reference chat token ids and assistant masks from transformers and TRL.
 
-Run in the parity environment (transformers + TRL, no JAX), from the repository root:
+Run in the reference environment (transformers + TRL, no JAX; ``benchmarks/reference_env.sh``
+builds it as ``.reference-venv/``), from the repository root:
 
-    /work/parity-venv/bin/python tests/parity/record_chat.py
+    .reference-venv/bin/python tests/parity/record_chat.py
 
 It trains the project's story tokenizer (dew_pipe.data.stories.story_tokenizer, which needs only
 `tokenizers` and `transformers`), saves it under tests/parity/fixtures/chat_tokenizer/, and for a

@@ -1,4 +1,4 @@
-"""Records Hugging Face Llama/Qwen3 fixtures for tests/test_hf.py (run in the torch venv).
+"""Records Hugging Face Llama/Qwen3 fixtures for tests/test_hf.py (in the reference env).
 
 Two modes, both deterministic (fixed seeds, float32, eager attention, one CPU thread):
 
@@ -15,7 +15,7 @@ q/k norm, tied and untied heads, Llama 3.1 rope scaling, a sharded save), saves 
   on its own (max difference printed), and records transformers' packed output. Segment 0
   marks the padding tail, whose logits the tests ignore.
 
-``roundtrip``: runs ``tests/parity/hf_saves.py`` with the dev venv to write checkpoints
+``roundtrip``: runs ``tests/parity/hf_saves.py`` with the project's interpreter to write checkpoints
 with ``Pretrained.save`` (float32, bfloat16, sharded, and decoders built by dew_pipe),
 loads each with ``AutoModelForCausalLM.from_pretrained`` and records in
 ``fixtures/hf/roundtrip.json`` the files' SHA-256, config.json, tensor names/shapes/dtypes,
@@ -23,12 +23,14 @@ transformers' missing/unexpected/mismatched keys, whether the weights equal the 
 model's (cast to the saved dtype) and the largest logit difference. transformers' logits of
 the built decoders go to ``fixtures/hf/roundtrip_logits.npz``.
 
-Re-run (from the repository root)::
+Re-run from the repository root, in the reference environment (torch + transformers; build
+it with ``benchmarks/reference_env.sh``, which creates ``.reference-venv/``)::
 
-    /work/parity-venv/bin/python tests/parity/record_hf.py record
-    /work/parity-venv/bin/python tests/parity/record_hf.py roundtrip   # needs record first
+    .reference-venv/bin/python tests/parity/record_hf.py record
+    .reference-venv/bin/python tests/parity/record_hf.py roundtrip   # needs record first
 
-``--dev-python`` points at the dev virtualenv's python (default /work/venv/bin/python).
+``--dev-python`` points at the project's own interpreter, the one with dew_pipe and JAX
+(default ``.venv/bin/python`` at the repository root, as the README sets it up).
 Re-run ``roundtrip`` whenever ``Pretrained.save``'s output changes (test_hf.py says so).
 """
 
@@ -267,7 +269,9 @@ def roundtrip(dev_python: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("record", "roundtrip"))
-    parser.add_argument("--dev-python", default="/work/venv/bin/python")
+    parser.add_argument(
+        "--dev-python", default=str(HERE.parent.parent / ".venv" / "bin" / "python")
+    )
     args = parser.parse_args()
     if args.mode == "record":
         record()

@@ -1,4 +1,4 @@
-"""Records TRL's sigmoid DPO loss, metrics and gradients for tests/test_dpo.py (torch venv).
+"""Records TRL's sigmoid DPO loss, metrics and gradients for tests/test_dpo.py (reference env).
 
 What it does, deterministically (fixed seeds, float32, eager attention, one CPU thread):
 
@@ -24,9 +24,10 @@ What it does, deterministically (fixed seeds, float32, eager attention, one CPU 
      run with each model); and the gradient of every policy parameter, under
      ``grad/<transformers name>``.
 
-Re-run (from the repository root)::
+Re-run from the repository root, in the reference environment (torch, transformers, TRL;
+``benchmarks/reference_env.sh`` builds it as ``.reference-venv/``)::
 
-    /work/parity-venv/bin/python tests/parity/record_trl_dpo.py
+    .reference-venv/bin/python tests/parity/record_trl_dpo.py
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Record verl 0.9.1's GRPO losses, advantages and rollout corrections on fixed tensors.
 
-Runs only in the isolated parity environment (torch 2.13 CPU, ``verl==0.9.1``
+Runs only in the isolated reference environment (torch 2.13 CPU, ``verl==0.9.1``
 installed with ``--no-deps`` plus the modules its import asks for: ray,
-tensordict, omegaconf, codetiming, orjson); dew_pipe never imports torch or verl.
+tensordict, omegaconf, codetiming, orjson), which ``benchmarks/reference_env.sh``
+builds as ``.reference-venv/``; dew_pipe never imports torch or verl. From the
+repository root:
 
-    /work/parity-venv/bin/python tests/parity/record_verl.py
+    .reference-venv/bin/python tests/parity/record_verl.py
 
 writes ``tests/parity/fixtures/verl_grpo.npz``: for every seed the random inputs
 (``s{seed}.in.*``) and verl's outputs (``s{seed}.{case}.*``): losses, their
