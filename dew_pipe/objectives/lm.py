@@ -30,7 +30,7 @@ import optax
 
 from dew_pipe.objectives.base import Variables, check_variables
 
-__all__ = ["LMObjective", "target_mask"]
+__all__ = ["LMObjective", "summarize_nll", "target_mask"]
 
 _OPTIONAL = ("text_roles", "text_segment_ids", "text_positions")
 
@@ -278,20 +278,47 @@ class LMObjective:
         Raises:
             ValueError: when no target was counted.
         """
-        tokens = float(totals["tokens"])
-        if tokens <= 0:
-            raise ValueError(
-                "validation counted 0 target tokens; expected batches with real, "
-                "same-document targets (and the loss_role, when set)"
-            )
-        loss = float(totals["nll"]) / tokens
-        try:
-            perplexity = math.exp(loss)
-        except OverflowError:
-            perplexity = math.inf
+        nll = summarize_nll(
+            totals,
+            counted="target tokens",
+            expected="batches with real, same-document targets (and the loss_role, when set)",
+        )
         return {
-            "loss": loss,
-            "perplexity": perplexity,
-            "accuracy": float(totals["correct"]) / tokens,
-            "tokens": tokens,
+            "loss": nll["loss"],
+            "perplexity": nll["perplexity"],
+            "accuracy": float(totals["correct"]) / nll["tokens"],
+            "tokens": nll["tokens"],
         }
+
+
+def summarize_nll(totals: Mapping[str, float], *, counted: str, expected: str) -> dict[str, float]:
+    """Mean negative log-likelihood (``loss``), ``perplexity`` and ``tokens`` from summed totals.
+
+    The one ``summarize`` of every objective whose evaluation sums an ``nll`` over ``tokens``
+    (language modelling, DPO's chosen answers, GRPO's prompts).
+
+    Args:
+        totals: summed evaluation outputs with ``nll`` and ``tokens``.
+        counted: what ``tokens`` counts, for the error (``"target tokens"``).
+        expected: what data would have counted some, for the error.
+
+    Returns:
+        ``{"loss": nll / tokens, "perplexity": exp(loss), "tokens": tokens}``; the
+        perplexity is ``inf`` when ``exp`` overflows.
+
+    Raises:
+        ValueError: when ``tokens`` is 0, naming what was counted and what was expected.
+
+    Example:
+        >>> summarize_nll({"nll": 0.0, "tokens": 4.0}, counted="tokens", expected="text")
+        {'loss': 0.0, 'perplexity': 1.0, 'tokens': 4.0}
+    """
+    tokens = float(totals["tokens"])
+    if tokens <= 0:
+        raise ValueError(f"validation counted 0 {counted}; expected {expected}")
+    loss = float(totals["nll"]) / tokens
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:
+        perplexity = math.inf
+    return {"loss": loss, "perplexity": perplexity, "tokens": tokens}

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from dew_pipe.objectives.base import Variables
-from dew_pipe.objectives.lm import LMObjective
+from dew_pipe.objectives.lm import LMObjective, summarize_nll
 
 __all__ = ["DPOObjective", "sequence_log_probs"]
 
@@ -297,15 +297,8 @@ class DPOObjective:
         Raises:
             ValueError: when no chosen completion token was counted.
         """
-        tokens = float(totals["tokens"])
-        if tokens <= 0:
-            raise ValueError(
-                "validation counted 0 chosen completion tokens; expected pairs whose "
-                "chosen_mask marks at least one answer token after position 0"
-            )
-        loss = float(totals["nll"]) / tokens
-        try:
-            perplexity = math.exp(loss)
-        except OverflowError:
-            perplexity = math.inf
-        return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
+        return summarize_nll(
+            totals,
+            counted="chosen completion tokens",
+            expected="pairs whose chosen_mask marks at least one answer token after position 0",
+        )

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_pipe.objectives.base import Variables, check_variables
+from dew_pipe.objectives.lm import summarize_nll
 from dew_pipe.objectives.rl import losses as L
 from dew_pipe.objectives.rl.grpo_batches import (
     check_packed_layout,
@@ -403,18 +404,12 @@ class GRPOObjective:
         Raises:
             ValueError: when no transition was counted.
         """
-        tokens = float(totals["tokens"])
-        if tokens <= 0:
-            raise ValueError(
-                "validation counted 0 prompt transitions; expected prompts of at least two "
-                "real ids (or packed chains with unsampled ids after their first)"
-            )
-        loss = float(totals["nll"]) / tokens
-        try:
-            perplexity = math.exp(loss)
-        except OverflowError:
-            perplexity = math.inf
-        return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
+        return summarize_nll(
+            totals,
+            counted="prompt transitions",
+            expected="prompts of at least two real ids (or packed chains with unsampled ids "
+            "after their first)",
+        )
 
     def validate(self, batch: Mapping[str, np.ndarray]) -> None:
         """Check a host batch (packed rows, or prompts for validation) before any compile.
