@@ -46,6 +46,7 @@ _LAZY: dict[str, str] = {
     "grpo_pipeline": "dew_pipe.stages.graph",
     "GraphSettings": "dew_pipe.stages.graph",
     "build_graph": "dew_pipe.stages.graph",
+    "rescorer": "dew_pipe.stages.graph",
     "RolloutScheduler": "dew_pipe.stages.scheduler",
     "SchedulerRecord": "dew_pipe.stages.messages",
     "SESSION_ROWS": "dew_pipe.stages.messages",

@@ -1,4 +1,4 @@
-"""The embedded default job (pipelines/arithmetic.py, dew_pipe.tasks.job) at tiny settings.
+"""The embedded default job (pipelines/arithmetic.py) at tiny settings.
 
 One smoke run goes through the command exactly as the README runs it (a subprocess of
 ``dew-pipe run``), with a few SFT steps and GRPO updates: the run directory must hold the
@@ -114,7 +114,7 @@ def test_the_plot_is_a_png_of_the_expected_size(smoke):
         ("aggregation=sum", "aggregation is 'sum'; expected one of"),
         ("max_lag=0", "max_lag is 0 with ahead=1"),
         ("digits=three", "digits"),
-        ("learning_rate=0", "learning_rate is 0.0; expected a float > 0"),
+        ("learning_rate=0", "learning_rate is 0.0; expected a finite float > 0"),
     ],
 )
 def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path, setting, message):
@@ -134,12 +134,12 @@ def test_unknown_setting_is_refused(tmp_path):
 def test_cancelling_inside_grpo_closes_the_server_and_joins_every_thread(tmp_path):
     from rich.console import Console
 
+    from dew_pipe.cli import load_file
     from dew_pipe.flow import Cancelled, MetricsWriter, RunContext
     from dew_pipe.flow.display import Display
-    from dew_pipe.tasks.job import ArithmeticJob, JobSettings
 
     settings = {**TINY, "sft_steps": 20, "eval_every": 100, "grpo_steps": 50, "sample_probe": 0}
-    job = ArithmeticJob(JobSettings(**settings))
+    job = load_file(PIPELINE).pipeline(**settings)
     cancel = threading.Event()
     console = Console(file=io.StringIO())
     before = set(threading.enumerate())
@@ -163,9 +163,12 @@ def test_cancelling_inside_grpo_closes_the_server_and_joins_every_thread(tmp_pat
     assert not (tmp_path / "summary.json").exists()
 
 
-@pytest.mark.parametrize("module", ["job", "plot"])
+@pytest.mark.parametrize("module", ["pipelines/arithmetic.py", "dew_pipe.tasks.plot"])
 def test_docstring_examples_run(module):
-    result = doctest.testmod(importlib.import_module(f"dew_pipe.tasks.{module}"))
+    from dew_pipe.cli import load_file
+
+    loaded = load_file(ROOT / module) if module.endswith(".py") else None
+    result = doctest.testmod(loaded or importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
 
 

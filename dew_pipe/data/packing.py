@@ -12,6 +12,7 @@ row, 0 on padding) and positions (0, 1, ... restarting per document, 0 on paddin
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from dew_pipe.data.dataset import Partition
 
-__all__ = ["RowBatches", "first_fit", "pack_documents", "padded_batches"]
+__all__ = ["ResumableBatches", "RowBatches", "first_fit", "pack_documents", "padded_batches"]
 
 
 class _FreeSpace:
@@ -140,7 +141,51 @@ def pack_documents(
     }
 
 
-class RowBatches(Iterator[dict[str, np.ndarray]]):
+class ResumableBatches(Iterator[dict[str, np.ndarray]], abc.ABC):
+    """Endless batches whose global batch ``n`` depends only on ``n``: resumable from a count.
+
+    A subclass says what this process's slice of global batch ``n`` is
+    (:meth:`batch_at`); this class counts the batches consumed and saves and restores that
+    count (``get_state``/``set_state``, what a checkpoint records of the data position), so
+    a resumed run reads exactly the batches it would have read.
+
+    Args:
+        batch: rows per global batch.
+        partition: this process's ``(index, count)``; it takes the contiguous rows
+            ``offset .. offset + local - 1`` of each global batch.
+
+    Raises:
+        ValueError: ``batch`` not divisible by the process count.
+    """
+
+    def __init__(self, batch: int, partition: Partition) -> None:
+        self.batch = batch
+        self.local = partition.local_batch(batch)
+        self.offset = partition.index * self.local
+        self.next_batch = 0
+
+    @abc.abstractmethod
+    def batch_at(self, n: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch ``n``."""
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = self.batch_at(self.next_batch)
+        self.next_batch += 1
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        """The position to resume from: the number of global batches consumed."""
+        return {"next_batch": self.next_batch}
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state["next_batch"]``, as returned by :meth:`get_state`."""
+        value = state.get("next_batch") if isinstance(state, Mapping) else None
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"state is {state!r}; expected {{'next_batch': int >= 0}}")
+        self.next_batch = int(value)
+
+
+class RowBatches(ResumableBatches):
     """Endless batches of packed rows, epoch after epoch, resumable from a batch count.
 
     Global batch ``n`` holds rows ``n * batch`` to ``(n + 1) * batch - 1`` of an endless stream
@@ -176,11 +221,8 @@ class RowBatches(Iterator[dict[str, np.ndarray]]):
         self.count = len(next(iter(self.rows.values())))
         if self.count == 0:
             raise ValueError("rows is empty; expected at least one packed row")
-        self.batch = batch
-        self.local = partition.local_batch(batch)
-        self.offset = partition.index * self.local
+        super().__init__(batch, partition)
         self.shuffle, self.seed = shuffle, seed
-        self.next_batch = 0
         self._epoch, self._order = -1, np.arange(self.count)
 
     def _order_of(self, epoch: int) -> np.ndarray:
@@ -190,24 +232,12 @@ class RowBatches(Iterator[dict[str, np.ndarray]]):
                 self._order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
         return self._order
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        start = self.next_batch * self.batch + self.offset
+    def batch_at(self, n: int) -> dict[str, np.ndarray]:
+        start = n * self.batch + self.offset
         picks = np.empty(self.local, dtype=np.int64)
         for i, k in enumerate(range(start, start + self.local)):
             picks[i] = self._order_of(k // self.count)[k % self.count]
-        self.next_batch += 1
         return {name: array[picks] for name, array in self.rows.items()}
-
-    def get_state(self) -> dict[str, Any]:
-        """The position to resume from: the number of global batches consumed."""
-        return {"next_batch": self.next_batch}
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state["next_batch"]``, as returned by :meth:`get_state`."""
-        value = state.get("next_batch") if isinstance(state, Mapping) else None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"state is {state!r}; expected {{'next_batch': int >= 0}}")
-        self.next_batch = int(value)
 
 
 def padded_batches(

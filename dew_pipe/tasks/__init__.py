@@ -1,5 +1,9 @@
 """Generated tasks: data, tokenizer, reward and evaluation made from a seed, nothing downloaded.
 
+``arithmetic`` (the task), ``problems`` (its problems and exact-match rule),
+``char_tokenizer``, ``recipe`` (its SFT recipe) and ``plot`` (the figure of a run's
+metrics). Jobs that use them are pipeline files (``pipelines/arithmetic.py``).
+
 Names resolve lazily (module ``__getattr__``), so importing this package loads neither JAX
 nor transformers.
 """

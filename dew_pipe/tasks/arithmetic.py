@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from dew_pipe._validate import check_float, check_int
 from dew_pipe.data.chat import Role
 from dew_pipe.data.dataset import Batch, Dataset, Partition
-from dew_pipe.data.packing import pack_documents, padded_batches
+from dew_pipe.data.packing import ResumableBatches, pack_documents, padded_batches
 from dew_pipe.tasks.problems import (
     FORMATS,
     MAX_DIGITS,
@@ -101,14 +102,6 @@ def reward(data_source: str, completion: str, ground_truth: str, extra_info: str
     return float(is_correct(completion, ground_truth, answer_format))
 
 
-def _int_in(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} is {value!r}; expected an int")
-    if not low <= value <= high:
-        raise ValueError(f"{name} is {value}; expected an int in [{low}, {high}]")
-    return int(value)
-
-
 def _encode(texts: list[str]) -> list[np.ndarray]:
     """Character ids of each text, as the task's tokenizer would give them."""
     lengths = np.fromiter(map(len, texts), np.int64, len(texts))
@@ -116,30 +109,16 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
     return np.split(ids, np.cumsum(lengths)[:-1])
 
 
-class _SFTBatches(Iterator[dict[str, np.ndarray]]):
+class _SFTBatches(ResumableBatches):
     """Endless SFT batches; global batch n depends only on (seed, n), so resume is exact."""
 
     def __init__(self, task: ArithmeticTask, batch: int, width: int, partition: Partition):
-        self.task, self.batch, self.width = task, batch, width
-        self.local = partition.local_batch(batch)
-        self.offset = partition.index * self.local
-        self.next_batch = 0
+        super().__init__(batch, partition)
+        self.task, self.width = task, width
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        rows = self.task.sft_rows(self.next_batch, self.batch, self.width)
-        self.next_batch += 1
+    def batch_at(self, n: int) -> dict[str, np.ndarray]:
+        rows = self.task.sft_rows(n, self.batch, self.width)
         return {k: v[self.offset : self.offset + self.local] for k, v in rows.items()}
-
-    def get_state(self) -> dict[str, Any]:
-        """The position to resume from: the number of global batches consumed."""
-        return {"next_batch": self.next_batch}
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state["next_batch"]``, as returned by :meth:`get_state`."""
-        value = state.get("next_batch") if isinstance(state, Mapping) else None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"state is {state!r}; expected {{'next_batch': int >= 0}}")
-        self.next_batch = int(value)
 
 
 class ArithmeticTask:
@@ -181,9 +160,9 @@ class ArithmeticTask:
         holdout: float = 0.05,
         test_size: int = 1000,
     ) -> None:
-        self.seed = _int_in("seed", seed, 0, 2**63 - 1)
-        self.digits = _int_in("digits", digits, 1, MAX_DIGITS)
-        self.min_digits = _int_in("min_digits", min_digits, 1, self.digits)
+        self.seed = check_int("seed", seed, minimum=0, maximum=2**63 - 1)
+        self.digits = check_int("digits", digits, minimum=1, maximum=MAX_DIGITS)
+        self.min_digits = check_int("min_digits", min_digits, minimum=1, maximum=self.digits)
         self.operations = check_operations(operations)
         if answer_format not in FORMATS:
             raise ValueError(f"answer_format is {answer_format!r}; expected one of {FORMATS}")
@@ -193,7 +172,7 @@ class ArithmeticTask:
         if not 0.0 < holdout <= 0.5:
             raise ValueError(f"holdout is {holdout}; expected a float in (0, 0.5]")
         self.holdout = float(holdout)
-        self.test_size = _int_in("test_size", test_size, 1, 10**7)
+        self.test_size = check_int("test_size", test_size, minimum=1, maximum=10**7)
 
     # --- sizes and text --------------------------------------------------------------------
 
@@ -291,7 +270,7 @@ class ArithmeticTask:
         if split not in _SPLITS:
             raise ValueError(f"split is {split!r}; expected one of {_SPLITS}")
         limit = self.test_size if split == "test" else 10**7
-        n = self.test_size if n is None else _int_in("n", n, 1, limit)
+        n = self.test_size if n is None else check_int("n", n, minimum=1, maximum=limit)
         if split == "test":
             return self._test_problems().take(np.arange(n))
         return self._draw(np.random.default_rng([self.seed, _PROMPT_STREAM]), n, test=False)
@@ -378,9 +357,9 @@ class ArithmeticTask:
             ``text``, ``text_roles``, ``text_segment_ids``, ``text_positions``, each
             ``[rows, width]`` (the LM layout with ``seq_len = width - 1``).
         """
-        index = _int_in("index", index, 0, 2**63 - 1)
-        rows = _int_in("rows", rows, 1, 2**31 - 1)
-        self._check_width(_int_in("width", width, 1, 2**31 - 1))
+        index = check_int("index", index, minimum=0, maximum=2**63 - 1)
+        rows = check_int("rows", rows, minimum=1, maximum=2**31 - 1)
+        self._check_width(check_int("width", width, minimum=1, maximum=2**31 - 1))
         rng = np.random.default_rng([self.seed, _SFT_STREAM, index])
         shortest = 2 * self.min_digits + 2 + 2  # one-character answer and EOS
         problems = self._draw(rng, rows * (width // shortest) + 1, test=False)
@@ -423,8 +402,8 @@ class ArithmeticTask:
         Raises:
             ValueError: ``batch`` below 1 or ``seq_len`` too short for the longest problem.
         """
-        batch = _int_in("batch", batch, 1, 2**31 - 1)
-        width = _int_in("seq_len", seq_len, 1, 2**31 - 2) + 1
+        batch = check_int("batch", batch, minimum=1, maximum=2**31 - 1)
+        width = check_int("seq_len", seq_len, minimum=1, maximum=2**31 - 2) + 1
         self._check_width(width)
 
         def train(partition: Partition | tuple[int, int]) -> Iterator[Batch]:
@@ -491,7 +470,7 @@ class ArithmeticTask:
             raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
         sampling = dataclasses.replace(sampling, eos_id=EOS_ID)
         key = jax.random.key(0) if key is None else key
-        batch = _int_in("batch", batch, 1, 2**20)
+        batch = check_int("batch", batch, minimum=1, maximum=2**20)
         prompts, lengths = self.prompt_arrays(split, n)
         count = len(prompts)
         fill = -count % batch
@@ -546,4 +525,37 @@ class ArithmeticTask:
             0.962
         """
         texts = self.completions(model, variables, split, n, batch=batch)
+        return float(self.score(texts, split).mean())
+
+    def sampled_reward(
+        self,
+        model: Any,
+        variables: Any,
+        split: str = "train",
+        n: int | None = None,
+        *,
+        temperature: float = 1.0,
+        key: Any = None,
+        batch: int = 500,
+    ) -> float:
+        """Mean reward of completions sampled at ``temperature`` on a split's first n prompts.
+
+        The measure GRPO's batches report as ``reward/mean``, taken here without training:
+        a job probes it during SFT to see how much signal GRPO will find (a problem the model
+        always or never gets right gives a group no advantage).
+
+        Args:
+            model, variables, split, n, batch: as :meth:`completions`.
+            temperature: the sampling temperature (> 0).
+            key: PRNG key of the draws; default ``jax.random.key(0)``.
+
+        Returns:
+            A float in [0, 1].
+        """
+        from dew_pipe.sampling import Sampling
+
+        sampling = Sampling(temperature=check_float("temperature", temperature, above=0.0))
+        texts = self.completions(
+            model, variables, split, n, batch=batch, sampling=sampling, key=key
+        )
         return float(self.score(texts, split).mean())

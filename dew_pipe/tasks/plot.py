@@ -1,8 +1,8 @@
 """A PNG of an arithmetic job's reward and held-out accuracy, drawn from its ``metrics.jsonl``.
 
-:func:`plot_run` reads the ``values`` records that :class:`~dew_pipe.tasks.job.ArithmeticJob`
-writes (each with a ``phase``: "sft", "grpo", "final") and draws two panels with
-matplotlib's Agg backend (no display needed):
+:func:`plot_run` reads the ``values`` records that the embedded job
+(``pipelines/arithmetic.py``) writes (each with a ``phase``: "sft", "grpo", "final") and
+draws two panels with matplotlib's Agg backend (no display needed):
 
 * over the run's wall time: held-out greedy exact match at every probe, the sampled reward
   (SFT probes: completions of training problems at the sampling temperature; GRPO: the mean

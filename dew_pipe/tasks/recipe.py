@@ -25,17 +25,13 @@ import jax
 import optax
 
 from dew_pipe import models
+from dew_pipe._validate import check_float, check_int
 from dew_pipe.data.chat import Role
 from dew_pipe.objectives.lm import LMObjective
 from dew_pipe.tasks.arithmetic import ArithmeticTask
 from dew_pipe.training import Trainer, TrainState
 
 __all__ = ["SFTRecipe", "train_sft"]
-
-
-def _positive(name: str, value: Any, kind: type) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        raise ValueError(f"SFTRecipe.{name} is {value!r}; expected a positive {kind.__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +52,9 @@ class SFTRecipe:
         clip: global gradient-norm clip.
 
     Raises:
-        ValueError: a non-positive setting, or ``warmup`` not below ``steps``.
+        TypeError: a setting of the wrong type.
+        ValueError: a non-positive setting (a negative ``weight_decay``), or ``warmup`` not
+            below ``steps``.
 
     Example:
         >>> SFTRecipe(steps=100, warmup=10).steps
@@ -76,14 +74,12 @@ class SFTRecipe:
     clip: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("emb_features", "num_layers", "num_heads", "mlp_features", "seq_len"):
-            _positive(name, getattr(self, name), int)
-        for name in ("batch", "steps", "warmup"):
-            _positive(name, getattr(self, name), int)
+        sizes = ("emb_features", "num_layers", "num_heads", "mlp_features", "seq_len", "batch")
+        for name in (*sizes, "steps", "warmup"):
+            check_int(f"SFTRecipe.{name}", getattr(self, name), minimum=1)
         for name in ("learning_rate", "clip"):
-            _positive(name, getattr(self, name), float)
-        if not isinstance(self.weight_decay, float) or self.weight_decay < 0:
-            raise ValueError(f"SFTRecipe.weight_decay is {self.weight_decay!r}; expected >= 0.0")
+            check_float(f"SFTRecipe.{name}", getattr(self, name), above=0.0)
+        check_float("SFTRecipe.weight_decay", self.weight_decay, minimum=0.0)
         if self.warmup >= self.steps:
             raise ValueError(
                 f"SFTRecipe.warmup is {self.warmup}; expected fewer than steps={self.steps}"
