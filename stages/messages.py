@@ -34,6 +34,9 @@ ground_truth        string
 extra_info          string
 =================== ============== ========================================================
 
+The last four are the task's columns of :data:`~dew_pipe.batches.TASKS_SCHEMA`, written with
+``tasks_to_arrow(task_row(task))`` and read back with ``task_from_row``.
+
 The ``calls`` column is on every batch but not in the port type: its struct type depends on
 whether calls recorded expert routing, so each stage reads it with ``from_arrow``.
 """
@@ -44,12 +47,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
+from dew_pipe.batches import TASKS_SCHEMA, sessions_schema, tasks_from_arrow, tasks_to_arrow
 from dew_pipe.objectives.rl.session_arrow import from_arrow, task_from_row, task_row, to_arrow
 from dew_pipe.objectives.rl.sessions import Session, Task
-from dew_pipe.rollout_batches import list_array, lists_to_numpy, sessions_schema
 
 __all__ = [
     "CAUSES",
@@ -77,15 +79,14 @@ _STAMPS = [
     pa.field("submitted_version", pa.int32(), False),
     pa.field("latency", pa.float64(), False),
     pa.field("cause", pa.string(), False),
-    pa.field("prompt", pa.list_(pa.int32())),
-    pa.field("data_source", pa.string(), False),
-    pa.field("ground_truth", pa.string(), False),
-    pa.field("extra_info", pa.string(), False),
 ]
-_TEXT = ("data_source", "ground_truth", "extra_info")
+# The task's own columns, as the tasks batch has them (its task_id is the session's).
+_TASK_COLUMNS = [field for field in TASKS_SCHEMA if field.name != "task_id"]
 
-#: Port type of stamped sessions: every sessions column but ``calls``, then the stamps.
-SESSION_ROWS = pa.schema([f for f in sessions_schema() if f.name != "calls"] + _STAMPS)
+#: Port type of stamped sessions: every sessions column but ``calls``, the stamps, the task.
+SESSION_ROWS = pa.schema(
+    [f for f in sessions_schema() if f.name != "calls"] + _STAMPS + _TASK_COLUMNS
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,17 +112,18 @@ def stamp_sessions(sessions: Sequence[Session], stamps: Sequence[Stamps]) -> pa.
     if len(sessions) != len(stamps):
         raise ValueError(f"stamps: {len(stamps)} for {len(sessions)} sessions, expected one each")
     rb = to_arrow(list(sessions))
-    rows = [task_row(s.task) if s.task is not None else {} for s in stamps]
-    prompts = [None if r.get("prompt") is None else np.asarray(r["prompt"], np.int32) for r in rows]
+    tasks = tasks_to_arrow(
+        task_row(st.task) if st.task is not None else {"task_id": session.task}
+        for session, st in zip(sessions, stamps, strict=True)
+    )
     columns = {
         "batch": pa.array([s.batch for s in stamps], pa.int64()),
         "submitted_version": pa.array([s.submitted_version for s in stamps], pa.int32()),
         "latency": pa.array([float(s.latency) for s in stamps], pa.float64()),
         "cause": pa.array([s.cause for s in stamps], pa.string()),
-        "prompt": list_array(prompts, pa.int32()),
     }
-    columns.update({k: pa.array([r.get(k, "") for r in rows], pa.string()) for k in _TEXT})
-    for field in _STAMPS:
+    columns.update({field.name: tasks.column(field.name) for field in _TASK_COLUMNS})
+    for field in (*_STAMPS, *_TASK_COLUMNS):
         rb = rb.append_column(field, columns[field.name])
     return rb
 
@@ -132,16 +134,11 @@ def unstamp_sessions(batch: pa.RecordBatch) -> tuple[list[Session], list[Stamps]
     Raises:
       ValueError: a batch without the stamp columns or ``calls``, naming the column.
     """
-    for field in (*_STAMPS, pa.field("calls", pa.null())):
+    for field in (*_STAMPS, *_TASK_COLUMNS, pa.field("calls", pa.null())):
         if field.name not in batch.schema.names:
             raise ValueError(f"stamped sessions: missing column {field.name!r}")
     sessions = from_arrow(batch.select(sessions_schema().names))
-    prompts = lists_to_numpy(batch.column("prompt"))
-    text = {k: batch.column(k).to_pylist() for k in _TEXT}
-    tasks = [
-        {"task_id": s.task, "prompt": prompts[i], **{k: text[k][i] for k in _TEXT}}
-        for i, s in enumerate(sessions)
-    ]
+    tasks = tasks_from_arrow(batch.select(TASKS_SCHEMA.names))
     columns = {
         name: batch.column(name).to_pylist()
         for name in ("batch", "submitted_version", "latency", "cause")
