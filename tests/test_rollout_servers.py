@@ -494,7 +494,12 @@ def test_docstring_examples_run():
     import importlib
 
     attempted = 0
-    for name in ("servers.interface", "servers.engine_setup", "prompt_source"):
+    for name in (
+        "servers.interface",
+        "servers.engine_setup",
+        "prompt_source",
+        "reward_function",
+    ):
         module = importlib.import_module(f"dew_pipe.inference.{name}")
         failed, tried = doctest.testmod(module)
         assert failed == 0, name
