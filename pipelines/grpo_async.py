@@ -17,8 +17,8 @@ each completion from the weights ``ToyWeights`` serves, on its own threads, so s
 overlaps the update; it leaves sessions unscored and the reward stage scores them. A
 completion that ends on EOS is COMPLETED, one that uses its whole budget TRUNCATED (and
 scored, ``truncation="score"``). Reward climbs from about ``1 / vocab`` in a few dozen
-updates. Larger jobs (the embedded arithmetic task) swap in a real server and source and
-keep the rest of :func:`~dew_pipe.stages.grpo_pipeline` (``pipelines/arithmetic.py``).
+updates. Larger jobs swap in a real server and source and keep the rest of the graph
+(``pipelines/arithmetic.py`` builds it with :func:`~dew_pipe.stages.build_graph`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from dew_pipe.stages.handoff import Handoff, served_version
@@ -59,6 +59,9 @@ from dew_pipe.objectives.rl.packing import TRUNCATIONS
 from dew_pipe.objectives.rl.session_arrow import task_row
 from dew_pipe.objectives.rl.sessions import SessionSource
 from dew_pipe.objectives.rl.task_rows import task_ids
+
+if TYPE_CHECKING:  # a type only: the objective module loads JAX
+    from dew_pipe.objectives.rl.grpo import GRPOObjective
 
 __all__ = [
     "GraphSettings",
@@ -165,7 +168,7 @@ class GraphSettings:
                 "lag a first submission reaches by construction"
             )
 
-    def check_objective(self, objective: Any) -> None:
+    def check_objective(self, objective: GRPOObjective) -> None:
         """Refuse an objective these settings cannot train.
 
         Raises:
@@ -193,7 +196,7 @@ class GraphSettings:
             )
 
 
-def rescorer(objective: Any) -> LikelihoodScorer | None:
+def rescorer(objective: GRPOObjective) -> LikelihoodScorer | None:
     """What the rescore stage calls for ``objective``: its jitted ``packed_log_probs``, or
     None when it scores the proximal policy in its own step (``proximal_in_step=True``), so
     the graph has no rescore stage. Compiles nothing until called."""

@@ -14,11 +14,9 @@ until that batch's update runs, which waits for this stage's output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
-
 import numpy as np
 from dew_pipe.stages.messages import Proximal
+from dew_pipe.stages.protocols import LikelihoodScorer
 
 from dew_pipe.batches import packed_from_arrow, packed_schema, packed_to_arrow
 from dew_pipe.flow import EndOfStream, Stage, StageContext
@@ -53,7 +51,7 @@ class Rescore(Stage):
 
     def __init__(
         self,
-        score: Callable[[Any, Mapping[str, np.ndarray]], Any],
+        score: LikelihoodScorer,
         *,
         width: int,
         support_capacity: int | None = None,

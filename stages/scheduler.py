@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dew_pipe.stages.admission import Ticket
@@ -49,6 +49,9 @@ from dew_pipe.data.dataset import Dataset, Partition
 from dew_pipe.flow import EndOfStream, FlowError, FlowSnapshot, Inlet, Outlet, Run
 from dew_pipe.objectives.rl.sessions import SessionSource, Task
 from dew_pipe.objectives.rl.task_rows import task_ids
+
+if TYPE_CHECKING:  # a type only: the objective module loads JAX
+    from dew_pipe.objectives.rl.grpo import GRPOObjective
 
 __all__ = ["RolloutScheduler", "SchedulerRecord"]
 
@@ -116,7 +119,7 @@ class RolloutScheduler:
 
     def __init__(
         self,
-        objective: Any,
+        objective: GRPOObjective,
         source: SessionSource,
         weights: WeightsPublisher,
         *,
