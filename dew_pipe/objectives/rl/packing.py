@@ -346,7 +346,7 @@ def pack(
     width = _check_common(sessions, width, truncation)
     _check_counts(rows, support_capacity, estimator)
     _check_unique(sessions)
-    routing = _routing_spec(sessions)
+    routing = _shared_routing(sessions)
     supported = any(c.support is not None for s in sessions for c in s.calls)
     if supported and support_capacity is None:
         raise ValueError(
@@ -441,7 +441,7 @@ def _core(
     }
 
 
-def _routing_spec(sessions: Sequence[Session]) -> tuple[tuple[int, int], np.dtype] | None:
+def _shared_routing(sessions: Sequence[Session]) -> tuple[tuple[int, int], np.dtype] | None:
     """(layers, top_k) and dtype shared by every routing record; None when none recorded."""
     spec = None
     for i, session in enumerate(sessions):
