@@ -272,7 +272,7 @@ def build_graph(
     scorer: LikelihoodScorer | None,
     reward: Score | None = None,
     trainer: TrainingStep | None = None,
-    steps: int = 0,
+    steps: int | None = None,
     state: TrainingState | Callable[[], TrainingState] | None = None,
     log: UpdateLog | None = None,
     owns_source: bool = False,

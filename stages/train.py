@@ -43,7 +43,8 @@ class Train(Handoff):
       weights: the publisher rollout samples from; None publishes nothing.
       sync_every: push when the served version is this many updates behind.
       state: the state to start from, or a function returning it, called when the run
-        starts; None: ``trainer.initial_state()``. The state is donated to the first step.
+        starts; None: ``trainer.initial_state()``. The state is donated to the first step;
+        a second run continues from the newest state.
       log: ``log(step, metrics, record)`` after each update (:data:`UpdateLog`).
       name: the stage's name.
 
@@ -91,7 +92,7 @@ class Train(Handoff):
         self.trainer = trainer
         self.steps = check_int("steps", steps, minimum=0)
         self.log = log
-        self._start = state
+        self._initial_state = state
         self.state: TrainingState | None = None
 
     @staticmethod
@@ -103,16 +104,18 @@ class Train(Handoff):
         }
         return inputs, outputs
 
-    def _initial(self) -> TrainingState:
-        start = self._start
-        if start is None:
+    def _first_state(self) -> TrainingState:
+        """The newest state (a run again continues from it), else the one given, else the
+        trainer's initial state; only one is kept, as each is donated to the next step."""
+        if self.state is not None:
+            return self.state
+        given, self._initial_state = self._initial_state, None
+        if given is None:
             return self.trainer.initial_state()
-        return start() if callable(start) else start
+        return given() if callable(given) else given
 
     def run(self, ctx: StageContext) -> None:
-        state = self._initial()
-        self._start = None  # donated below; only the newest state is kept
-        self.state = state
+        state = self.state = self._first_state()
         for index in range(self.steps):
             if ctx.cancelled:
                 raise Cancelled()

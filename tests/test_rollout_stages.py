@@ -4,7 +4,16 @@ import threading
 
 import numpy as np
 import pytest
-from dew_pipe.stages import Pack, Rescore, Reward, Rollout, TaskBatches, publish
+from dew_pipe.stages import (
+    Pack,
+    Rescore,
+    Reward,
+    Rollout,
+    TaskBatches,
+    Train,
+    grpo_pipeline,
+    publish,
+)
 from dew_pipe.stages.graph import task_batch
 from dew_pipe.stages.messages import (
     SESSION_ROWS,
@@ -14,7 +23,7 @@ from dew_pipe.stages.messages import (
     stamp_sessions,
     unstamp_sessions,
 )
-from rollout_fakes import FakeSource, FakeWeights, Outcome
+from rollout_fakes import FakeObjective, FakeSource, FakeState, FakeWeights, Outcome, task_data
 
 from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow, packed_schema, packed_to_arrow
 from dew_pipe.data.dataset import Dataset
@@ -175,6 +184,69 @@ def test_task_batches_reads_a_dataset_into_task_batches():
     empty = Dataset(train=lambda p: iter([]), batch=2)
     with pytest.raises(ValueError, match="yielded no batches"):
         list(TaskBatches(empty, batches=1).items())
+
+
+class _CountingTrainer:
+    """A trainer the Train stage can drive: each step bumps the version, keeps the batch."""
+
+    def __init__(self, objective):
+        self.objective = objective
+        self.batches = []
+
+    def initial_state(self):
+        raise AssertionError("the state given to the pipeline is the one to start from")
+
+    def train_step(self, state, batch):
+        self.batches.append(batch)
+        return FakeState(state.updates + 1, state.params), {"loss": 0.5}
+
+
+def test_grpo_pipeline_trains_from_the_state_it_was_given_through_the_one_builder():
+    weights = FakeWeights()
+    trainer = _CountingTrainer(FakeObjective(W))
+    made, logged = [], []
+
+    def start():  # called once, when the run starts: building compiles nothing
+        made.append(FakeState(0, {"scale": 2.0}))
+        return made[-1]
+
+    p = grpo_pipeline(
+        tasks=TaskBatches(task_data(64, 2)), source=FakeSource(weights), weights=weights,
+        trainer=trainer, score=None, width=W, rows=4, groups=2, steps=3, state=start,
+        log=lambda step, metrics, record: logged.append((step, metrics["loss"], record.batch)),
+    )  # fmt: skip
+    assert not made and sorted(p.stages) == sorted(
+        ["tasks", "rollout", "reward", "pack", "rescore", "update"]
+    )
+    assert isinstance(p.stages["update"], Train)
+    p.run(timeout=30)
+    assert len(made) == 1 and p.stages["update"].state.updates == 3
+    assert logged == [(0, 0.5, 0), (1, 0.5, 1), (2, 0.5, 2)]
+    assert weights.pushes == [1, 2]  # version 0 was served already; one push per update
+    first = trainer.batches[0]  # rescored under the given state's scale 2: -0.2 per id
+    mask = first["response_mask"] == 1
+    np.testing.assert_allclose(first["old_log_probs"][mask], -0.2 * first["input_ids"][mask])
+
+
+@pytest.mark.parametrize(
+    "kw, error, message",
+    [
+        (dict(ahead=2), ValueError, "max_lag is 1 with ahead=2"),
+        (dict(groups=1), ValueError, "groups is 1; expected an int >= 2"),
+        (dict(width=W + 1), ValueError, "objective.seq_len=15 with width=17"),
+        (dict(behavior_importance=None), ValueError, "max_lag=1 lets sessions lag"),
+        (dict(steps=None), TypeError, "steps is None"),
+    ],
+)
+def test_grpo_pipeline_refuses_what_the_scheduler_refuses(kw, error, message):
+    weights = FakeWeights()
+    objective = FakeObjective(W, behavior_importance=kw.pop("behavior_importance", 2.0))
+    settings = dict(width=W, rows=4, groups=2, steps=3) | kw
+    with pytest.raises(error, match=message):
+        grpo_pipeline(
+            tasks=TaskBatches(task_data(8, 2)), source=FakeSource(weights), weights=weights,
+            trainer=_CountingTrainer(objective), score=None, **settings,
+        )  # fmt: skip
 
 
 def test_docstring_examples_of_the_stages_run():
