@@ -33,9 +33,10 @@ trains, whatever the queue capacities below; that is why ``GraphSettings`` refus
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 from dew_pipe.stages.handoff import Handoff, served_version
 from dew_pipe.stages.pack import Pack
@@ -57,7 +58,7 @@ from dew_pipe.flow import Pipeline, Source, Stage
 from dew_pipe.objectives.rl.advantages import ESTIMATORS
 from dew_pipe.objectives.rl.packing import TRUNCATIONS
 from dew_pipe.objectives.rl.session_arrow import task_row
-from dew_pipe.objectives.rl.sessions import SessionSource
+from dew_pipe.objectives.rl.sessions import SessionSource, Task
 from dew_pipe.objectives.rl.task_rows import task_ids
 
 if TYPE_CHECKING:  # a type only: the objective module loads JAX
@@ -426,7 +427,7 @@ def grpo_pipeline(
     )  # fmt: skip
 
 
-def task_batch(tasks: list[Any]) -> pa.RecordBatch:
+def task_batch(tasks: list[Task]) -> pa.RecordBatch:
     """Tasks as one Arrow task batch (:data:`~dew_pipe.batches.TASKS_SCHEMA`).
 
     Raises:
@@ -452,6 +453,10 @@ class TaskBatches(Source):
       batches: stop after this many (None: run until the consumer stops).
       name: the stage's name.
 
+    Raises:
+      TypeError: ``data`` is not a Dataset, ``tasks`` not callable, ``batches`` not an int;
+        ValueError: ``batches`` below 0.
+
     Example:
       >>> import itertools, numpy as np
       >>> data = Dataset(train=lambda p: itertools.repeat({"task_id": np.arange(2)}), batch=2)
@@ -461,16 +466,18 @@ class TaskBatches(Source):
     """
 
     def __init__(
-        self, data: Dataset, tasks=task_ids, *, batches: int | None = None, name: str = "tasks"
+        self,
+        data: Dataset,
+        tasks: Callable[[Mapping[str, np.ndarray]], list[Task]] = task_ids,
+        *,
+        batches: int | None = None,
+        name: str = "tasks",
     ) -> None:
         if not isinstance(data, Dataset):
             raise TypeError(f"data is a {type(data).__name__}; expected a dew_pipe.Dataset")
         if not callable(tasks):
             raise TypeError(f"tasks={tasks!r}; expected a function of a batch returning Tasks")
-        if batches is not None and (
-            isinstance(batches, bool) or not isinstance(batches, int) or batches < 0
-        ):
-            raise ValueError(f"batches={batches!r}; expected None or an int >= 0")
+        batches = check_int("batches", batches, minimum=0, allow_none=True)
         super().__init__(name, output_type=TASKS_SCHEMA)
         self.data, self.reader, self.batches = data, tasks, batches
 

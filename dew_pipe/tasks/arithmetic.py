@@ -167,11 +167,7 @@ class ArithmeticTask:
         if answer_format not in FORMATS:
             raise ValueError(f"answer_format is {answer_format!r}; expected one of {FORMATS}")
         self.answer_format = answer_format
-        if isinstance(holdout, bool) or not isinstance(holdout, (int, float)):
-            raise TypeError(f"holdout is {holdout!r}; expected a float in (0, 0.5]")
-        if not 0.0 < holdout <= 0.5:
-            raise ValueError(f"holdout is {holdout}; expected a float in (0, 0.5]")
-        self.holdout = float(holdout)
+        self.holdout = check_float("holdout", holdout, above=0.0, maximum=0.5)
         self.test_size = check_int("test_size", test_size, minimum=1, maximum=10**7)
 
     # --- sizes and text --------------------------------------------------------------------
