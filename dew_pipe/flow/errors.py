@@ -1,6 +1,10 @@
-"""The few errors the flow runtime raises."""
+"""The few errors the flow runtime raises, and the one count check that raises BuildError."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from dew_pipe._validate import check_int
 
 
 class FlowError(Exception):
@@ -9,6 +13,14 @@ class FlowError(Exception):
 
 class BuildError(FlowError, ValueError):
     """A pipeline wired wrongly; raised while it is built, before any stage runs."""
+
+
+def check_count(owner: str, name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (workers, capacities), else a BuildError naming ``owner``."""
+    try:
+        return check_int(name, value, minimum=1)
+    except (TypeError, ValueError):
+        raise BuildError(f"{owner}: {name}={value!r}, expected an int >= 1") from None
 
 
 class StageFailed(FlowError, RuntimeError):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dew_pipe._pool import WorkerPool
-from dew_pipe.flow.errors import BuildError, Cancelled, EndOfStream, FlowError
+from dew_pipe.flow.errors import Cancelled, EndOfStream, FlowError, check_count
 from dew_pipe.flow.ports import Port, PortType, item_mismatch
 from dew_pipe.flow.stage import Stage, StageContext
 
@@ -134,8 +134,7 @@ class Map(Stage):
         super().__init__(
             name, inputs={in_port: input_type}, outputs={out_port: out}, timeout=timeout
         )
-        if not isinstance(workers, int) or workers < 1:
-            raise BuildError(f"stage {name!r}: workers={workers!r}, expected an int >= 1")
+        workers = check_count(f"stage {name!r}", "workers", workers)
         _require_hook(self, fn, "apply", Map)
         self._fn = fn
         self.workers = workers
@@ -285,9 +284,7 @@ class Inlet(Stage):
         out_port: str = "out",
     ) -> None:
         super().__init__(name, outputs={out_port: output_type})
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise BuildError(f"inlet {name!r}: capacity={capacity!r}, expected an int >= 1")
-        self.capacity = capacity
+        self.capacity = check_count(f"inlet {name!r}", "capacity", capacity)
         self.out_port = out_port
         self.dropped = 0
         self._items: deque[Any] = deque()
@@ -384,9 +381,7 @@ class Outlet(Stage):
         in_port: str = "in",
     ) -> None:
         super().__init__(name, inputs={in_port: input_type})
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise BuildError(f"outlet {name!r}: capacity={capacity!r}, expected an int >= 1")
-        self.capacity = capacity
+        self.capacity = check_count(f"outlet {name!r}", "capacity", capacity)
         self.in_port = in_port
         self._items: deque[Any] = deque()
         self._cond = threading.Condition()

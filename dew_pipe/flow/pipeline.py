@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dew_pipe.flow.errors import BuildError
+from dew_pipe.flow.errors import BuildError, check_count
 from dew_pipe.flow.ports import describe, incompatibility
 from dew_pipe.flow.runtime import Run
 from dew_pipe.flow.stage import Stage
@@ -111,8 +111,7 @@ class Pipeline:
         s, sp = self._endpoint(src, "output")
         d, dp = self._endpoint(dst, "input")
         edge = EdgeSpec(s.name, sp, d.name, dp, capacity, bool(feedback))
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise BuildError(f"edge {edge.name}: capacity={capacity!r}, expected an int >= 1")
+        check_count(f"edge {edge.name}", "capacity", capacity)
         produced, accepted = s.outputs[sp].type, d.inputs[dp].type
         reason = incompatibility(produced, accepted)
         if reason:
