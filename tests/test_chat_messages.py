@@ -340,7 +340,7 @@ def test_bad_rows_files_and_settings(tmp_path):
         ChatMessages(TOKENIZER_DIR, not_list, seq_len=0)
     with pytest.raises(ValueError, match="batch is 0; expected an int >= 1"):
         ChatMessages(TOKENIZER_DIR, not_list, seq_len=8).load(batch=0)
-    with pytest.raises(TypeError, match="batch is float 2.0; expected an int"):
+    with pytest.raises(TypeError, match="batch is 2.0; expected an int"):
         ChatMessages(TOKENIZER_DIR, not_list, seq_len=8).load(batch=2.0)
     with pytest.raises(TypeError, match="tokenizer is int; expected a Hub name"):
         ChatMessages(3, not_list, seq_len=8)

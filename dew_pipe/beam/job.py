@@ -49,6 +49,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from dew_pipe import batches
+from dew_pipe._validate import check_int
 from dew_pipe.beam.packing import PackSessions, WritePacked
 from dew_pipe.beam.sources import METRICS_NAMESPACE, ReadSessions, SessionDataError
 
@@ -149,8 +150,7 @@ def run_pack_job(
         >>> summary.sessions, summary.batches, summary.rows, round(summary.fill, 3)
         (4, 1, 2, 1.0)
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    workers = check_int("workers", workers, minimum=1)
     if not isinstance(runner, str) or not runner:
         raise ValueError(f"runner: expected a Beam runner name, got {runner!r}")
     transform = PackSessions(

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.data.conversations import Conversation, read_conversations
 from dew_pipe.data.dataset import Batch, Dataset, Loading, Partition
 from dew_pipe.data.packing import pack_documents
@@ -335,10 +336,7 @@ class ChatMessages:
         loading: Loading | None = None,
         val_split: str | None = None,
     ) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
-            raise TypeError(f"seq_len is {type(seq_len).__name__} {seq_len!r}; expected an int")
-        if seq_len < 1:
-            raise ValueError(f"seq_len is {seq_len}; expected an int >= 1")
+        seq_len = check_int("seq_len", seq_len, minimum=1)
         if not isinstance(column, str) or not column:
             raise TypeError(f"column is {column!r}; expected a non-empty str")
         if loading is not None and not isinstance(loading, Loading):
@@ -440,10 +438,7 @@ class ChatMessages:
         """
         from dew_pipe.data.packing import RowBatches, padded_batches
 
-        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)):
-            raise TypeError(f"batch is {type(batch).__name__} {batch!r}; expected an int")
-        if batch < 1:
-            raise ValueError(f"batch is {batch}; expected an int >= 1")
+        batch = check_int("batch", batch, minimum=1)
         train = self._packed("train")
         val = self._packed("val") if self.val_path is not None else None
 

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dew_pipe._validate import check_int
 from dew_pipe.models import hf_config
 from dew_pipe.models.config import TransformerConfig
 from dew_pipe.models.transformer import CausalTransformer
@@ -411,10 +412,7 @@ class Pretrained:
         """
         from safetensors.numpy import save_file
 
-        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
-            raise TypeError(f"max_shard_bytes is {max_shard_bytes!r}; expected a positive int")
-        if max_shard_bytes <= 0:
-            raise ValueError(f"max_shard_bytes is {max_shard_bytes}; expected a positive int")
+        max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)
         tensors = self.export(variables, dtype=dtype)
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
