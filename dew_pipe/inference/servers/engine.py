@@ -45,6 +45,7 @@ from dew_pipe._validate import check_int
 from dew_pipe.inference.servers import engine_steps
 from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters
 from dew_pipe.inference.servers.engine_setup import (
+    SEED_LIMIT,
     ServeTask,
     bucket,
     check_options,
@@ -53,6 +54,7 @@ from dew_pipe.inference.servers.engine_setup import (
     prompt_array,
     prompt_buckets,
     prompt_problem,
+    request_seed,
     served_copy,
     served_model,
     signature,
@@ -62,8 +64,6 @@ from dew_pipe.inference.servers.interface import Draw
 from dew_pipe.sampling import Sampling
 
 __all__ = ["Server", "ServerCounters", "ServeTask"]
-
-_SEED_LIMIT = 2**32
 
 
 class Server:
@@ -257,12 +257,7 @@ class Server:
         """
         budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
         prompt = prompt_array(prompt_ids)
-        if seed is not None and (
-            isinstance(seed, bool)
-            or not isinstance(seed, int | np.integer)
-            or not 0 <= seed < _SEED_LIMIT
-        ):
-            raise ValueError(f"seed is {seed!r}; expected None or an int in [0, 2**32)")
+        seed = request_seed(seed)
         future: Future[Draw] = Future()
         with self._cond:
             self._check_open()
@@ -281,8 +276,8 @@ class Server:
                 self._cond.wait()
                 self._check_open()
             if seed is None:
-                seed = int(self._seeds.integers(_SEED_LIMIT))
-            request = Request(future, prompt, budget, int(seed), self._version)
+                seed = int(self._seeds.integers(SEED_LIMIT))
+            request = Request(future, prompt, budget, seed, self._version)
             request.arrived = time.monotonic()
             self._waiting.append(request)
             self._cond.notify_all()

@@ -155,6 +155,22 @@ def from_task_arguments(
     return task.model, task.variables, sampling, options
 
 
+SEED_LIMIT = 2**32  # a draw's seed becomes a uint32 on the device
+
+
+def request_seed(seed: Any) -> int | None:
+    """``seed`` as an int in ``[0, 2**32)``, or None (ValueError for anything else, a bool too)."""
+    if seed is None:
+        return None
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int | np.integer)
+        or not 0 <= seed < SEED_LIMIT
+    ):
+        raise ValueError(f"seed is {seed!r}; expected None or an int in [0, 2**32)")
+    return int(seed)
+
+
 def prompt_array(prompt_ids: Any) -> np.ndarray:
     """``prompt_ids`` as int32 (TypeError unless they are integers)."""
     array = np.asarray(prompt_ids)

@@ -46,6 +46,7 @@ from dew_pipe.inference.servers.engine_setup import (
     check_tree,
     from_task_arguments,
     prompt_array,
+    request_seed,
     signature,
     variables_of,
 )
@@ -54,7 +55,6 @@ from dew_pipe.sampling import Sampling
 
 __all__ = ["ProcessRolloutServer"]
 
-_SEED_LIMIT = 2**32
 # Seconds close() waits for the child to close its server and exit before killing it.
 _CLOSE_S = 30.0
 
@@ -313,12 +313,7 @@ class ProcessRolloutServer:
         """
         budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
         prompt = prompt_array(prompt_ids)
-        if seed is not None and (
-            isinstance(seed, bool)
-            or not isinstance(seed, int | np.integer)
-            or not 0 <= seed < _SEED_LIMIT
-        ):
-            raise ValueError(f"seed is {seed!r}; expected None or an int in [0, 2**32)")
+        seed = request_seed(seed)
         future: Future[Draw] = Future()
         with self._cond:
             self._check_open()
@@ -333,7 +328,7 @@ class ProcessRolloutServer:
             rid = next(self._ids)
             self._pending[rid] = future
         future.add_done_callback(lambda done: self._on_done(rid, done))
-        self._send(("submit", rid, prompt, budget, None if seed is None else int(seed)))
+        self._send(("submit", rid, prompt, budget, seed))
         return future
 
     def load(self, variables: Any, version: int) -> None:
