@@ -13,8 +13,9 @@ Exit status: 0 done, 1 the run failed, 2 nothing to run (bad file, setting or wi
 ``--debug`` adds the traceback.
 
 ``pack`` (``dew-pipe pack --input PATTERN --output DIR --width W ...``) runs the offline
-Apache Beam pack job of :mod:`dew_pipe.beam` on recorded sessions. Exit status: 0 done, 1 bad
-data (the line names the session) or a failed job, 2 bad arguments.
+Apache Beam pack job of :mod:`dew_pipe.beam` on recorded sessions; its output appears whole
+or not at all. Exit status: 0 done, 1 bad data (the line names the session) or a failed job,
+2 bad arguments.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def _pack_parser(sub: Any) -> None:
             "training batches with an Apache Beam job: group by (task, group), compute\n"
             "advantages, cut batches of --groups-per-batch groups in sorted key order, pack\n"
             "each as dew_pipe's pack does. Writes OUTPUT/packed-BBBBB-of-NNNNN.parquet (one\n"
-            "training batch each) and OUTPUT/manifest-*.parquet (one row per session)."
+            "training batch each), OUTPUT/manifest-*.parquet (one row per session) and\n"
+            "OUTPUT/_SUCCESS, all at once when the job succeeds: a failed job leaves OUTPUT\n"
+            "as it was."
         ),
         epilog=(
             "examples:\n"
@@ -154,7 +157,11 @@ def _pack_parser(sub: Any) -> None:
         metavar="ARG",
         help="a Beam pipeline option, e.g. --beam-arg=--temp_location=gs://b/t (repeatable)",
     )
-    add("--overwrite", action="store_true", help="replace an earlier job's files in DIR")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier job's files in DIR (once this job has succeeded)",
+    )
     add("--debug", action="store_true", help="show tracebacks and Beam's logs")
 
 
