@@ -99,6 +99,53 @@ def test_reading_a_folder_without_the_marker_is_refused(tmp_path):
         run_pack_job(str(tmp_path / "s.jsonl"), tmp_path / "out", width=8)
 
 
+def test_a_publication_cut_short_is_not_taken_for_finished_output(tmp_path, monkeypatch):
+    from apache_beam.io.filesystems import FileSystems
+
+    path = _sessions_file(tmp_path)
+    run_pack_job(str(path), tmp_path / "out", width=8)
+    rename = FileSystems.rename
+
+    def first_only(sources, targets):  # publishing: the disk fills up after the first file
+        if Path(targets[0]).parent != tmp_path / "out":
+            return rename(sources, targets)  # Beam's own renames inside the staging folder
+        rename(sources[:1], targets[:1])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(FileSystems, "rename", first_only)
+    with pytest.raises(OSError, match="No space left"):
+        run_pack_job(str(path), tmp_path / "out", width=4, rows=8, overwrite=True)
+    assert "_SUCCESS" not in files_under(tmp_path / "out")
+    with pytest.raises(ValueError, match="no _SUCCESS marker"):
+        read_manifest(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.jsonl"]  # staging removed
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("s.jsonl", "{not json\n", r"s\.jsonl"),
+        pytest.param(
+            "s.parquet",
+            "not parquet",
+            r"s\.parquet",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Beam's ReadAllFromParquetBatched raises 'Parquet magic bytes not found' "
+                "without the file name (dew_pipe/beam/sources.py)",
+            ),
+        ),
+        ("s.jsonl", '{"task": 1}\n', r"s\.jsonl"),
+    ],
+    ids=["jsonl_garbage", "parquet_garbage", "jsonl_missing_fields"],
+)
+def test_unreadable_session_files_are_named_and_leave_nothing(name, text, message, tmp_path):
+    (tmp_path / name).write_text(text)
+    with pytest.raises((SessionDataError, ValueError), match=message):
+        run_pack_job(str(tmp_path / name), tmp_path / "out", width=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
 def test_an_output_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "out").write_text("x")
     with pytest.raises(ValueError, match=r"out is a file; expected a folder"):
