@@ -352,7 +352,7 @@ GOOD_ROW = {"messages": [USER, {"role": "assistant", "content": "Four."}]}
     [
         (
             {"messages": [USER, {"role": "assistant", "content": 4}]},
-            r"row 1 of .*chat.jsonl': message 1 \(assistant\) has content int 4",
+            r"row 1 of .*chat.jsonl' \(line 2\): message 1 \(assistant\) has content int 4",
         ),
         ({"messages": [USER, 4]}, r"row 1 \(line 2\).*messages\[1\] is int"),
         ("{not json", r"line 2: not valid JSON"),

@@ -386,7 +386,10 @@ class ChatMessages:
             path, column=self.column, split=split, options=self.options
         )
         label = os.fspath(path)
-        items = [(f"row {i} of {label!r}", c) for i, c in enumerate(conversations)]
+        items = [
+            (f"row {i} of {label!r}" + (f" (line {c.line})" if c.line else ""), c)
+            for i, c in enumerate(conversations)
+        ]
         workers = max(self.loading.workers, self.loading.threads, 1)
         size = max(16, -(-len(items) // (4 * workers)))  # a few chunks per worker
         chunks = [items[i : i + size] for i in range(0, len(items), size)]

@@ -47,10 +47,13 @@ class Conversation:
     Attributes:
         messages: the row's messages, each a dict with at least ``role``.
         tools: tool schemas (JSON-schema dicts) for the template's ``tools`` argument, or None.
+        line: the row's line number in a JSONL file (1-based), for error messages; None for
+            other sources.
     """
 
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
+    line: int | None = dataclasses.field(default=None, compare=False)
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -74,7 +77,9 @@ def _decode(value: Any, field: str, where: str) -> Any:
         ) from error
 
 
-def _conversation(row: Mapping[str, Any], column: str, where: str) -> Conversation:
+def _conversation(
+    row: Mapping[str, Any], column: str, where: str, line: int | None = None
+) -> Conversation:
     """Build a Conversation from one row (a mapping of field to value)."""
     if row.get(column) is not None:
         field = column
@@ -103,7 +108,7 @@ def _conversation(row: Mapping[str, Any], column: str, where: str) -> Conversati
             f"{where}: field {TOOLS_COLUMN!r} is {type(tools).__name__}; expected a list of tool "
             "schemas, their JSON text, or null"
         )
-    return Conversation([dict(m) for m in messages], tools or None)
+    return Conversation([dict(m) for m in messages], tools or None, line)
 
 
 def _missing_column(path: str, column: str, names: Sequence[str]) -> ValueError:
@@ -163,7 +168,7 @@ def _read_jsonl(path: Path, column: str) -> list[Conversation]:
         names = sorted({k for _, r in rows for k in r})
         raise _missing_column(str(path), column, names)
     return [
-        _conversation(row, column, f"row {i} (line {number}) of {str(path)!r}")
+        _conversation(row, column, f"row {i} (line {number}) of {str(path)!r}", number)
         for i, (number, row) in enumerate(rows)
     ]
 
