@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_helpers import files_under, one_line, run_cli
+from fault_helpers import files_under, one_line, run_cli, run_python
 
 from dew_pipe.beam import SessionDataError, read_manifest, run_pack_job, session_to_json
 from dew_pipe.objectives.rl.sessions import Call, Session, pack
@@ -119,6 +119,23 @@ def test_a_publication_cut_short_is_not_taken_for_finished_output(tmp_path, monk
     with pytest.raises(ValueError, match="no _SUCCESS marker"):
         read_manifest(tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.jsonl"]  # staging removed
+
+
+def test_a_job_killed_before_publishing_leaves_only_its_hidden_staging_folder(tmp_path):
+    path = _sessions_file(tmp_path)
+    code = """
+import os, signal, sys
+from dew_pipe.beam import job
+job._publish = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # dies with all staged
+job.run_pack_job(sys.argv[1], sys.argv[2], width=8)
+"""
+    result = run_python(code, str(path), str(tmp_path / "out"), deadline=60)
+    assert result.returncode == -9
+    assert not (tmp_path / "out").exists()
+    (staging,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.staging-")]
+    assert "_SUCCESS" in files_under(staging)  # complete, but never published
+    run_pack_job(str(path), tmp_path / "out", width=8)  # a rerun is not confused by it
+    assert read_manifest(tmp_path / "out").num_rows == 4
 
 
 @pytest.mark.parametrize(

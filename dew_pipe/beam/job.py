@@ -12,7 +12,8 @@ reports DONE: on a local disk, when the output folder is missing or empty, by re
 staging folder onto it (atomic); otherwise file by file, packed files first, then the
 manifest, then ``_SUCCESS`` last. A failed job removes its staging folder and leaves the
 output as it was, so a failure never leaves files that look finished, and an ``overwrite``
-that fails keeps the earlier complete output. ``read_manifest`` refuses a folder without
+that fails keeps the earlier complete output. A process killed outright leaves its hidden
+staging folder behind (never the output); it can be deleted, and a rerun ignores it. ``read_manifest`` refuses a folder without
 ``_SUCCESS`` (a publication cut short, or files of an unfinished writer). A folder holding an
 earlier job's files (complete or not) is refused unless ``overwrite``, so two runs never mix.
 
