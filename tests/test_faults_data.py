@@ -142,16 +142,7 @@ job.run_pack_job(sys.argv[1], sys.argv[2], width=8)
     "name, text, message",
     [
         ("s.jsonl", "{not json\n", r"s\.jsonl"),
-        pytest.param(
-            "s.parquet",
-            "not parquet",
-            r"s\.parquet",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Beam's ReadAllFromParquetBatched raises 'Parquet magic bytes not found' "
-                "without the file name (dew_pipe/beam/sources.py)",
-            ),
-        ),
+        ("s.parquet", "not parquet", r"s\.parquet: not a readable Parquet file"),
         ("s.jsonl", '{"task": 1}\n', r"s\.jsonl"),
     ],
     ids=["jsonl_garbage", "parquet_garbage", "jsonl_missing_fields"],

@@ -28,6 +28,8 @@ from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io import fileio
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
@@ -169,6 +171,26 @@ class _JsonToSessions(beam.DoFn):
         yield from sessions
 
 
+class _ReadParquet(beam.DoFn):
+    """An opened Parquet file to ``(filename, table)`` pairs, one per record batch.
+
+    Beam's own Parquet reader reports a file that is not Parquet ("magic bytes not found")
+    without naming it; this one names the file in a :class:`SessionDataError`.
+    """
+
+    def process(self, readable: fileio.ReadableFile) -> Iterator[tuple[str, pa.Table]]:
+        filename = readable.metadata.path
+        with readable.open() as handle:
+            try:
+                parquet = pq.ParquetFile(handle)
+                for batch in parquet.iter_batches():
+                    yield filename, pa.Table.from_batches([batch])
+            except (pa.ArrowException, OSError) as error:
+                raise SessionDataError(
+                    f"{filename}: not a readable Parquet file of sessions ({error})"
+                ) from error
+
+
 class _ParquetToSessions(beam.DoFn):
     """A ``(filename, table)`` pair of a sessions Parquet file to sessions."""
 
@@ -270,7 +292,9 @@ class ReadSessions(beam.PTransform):
             parts.append(
                 pbegin
                 | "ParquetPatterns" >> beam.Create(self.kinds["parquet"])
-                | "ReadParquet" >> beam.io.ReadAllFromParquetBatched(with_filename=True)
+                | "MatchParquet" >> fileio.MatchAll()
+                | "OpenParquet" >> fileio.ReadMatches()
+                | "ReadParquet" >> beam.ParDo(_ReadParquet())
                 | "TablesToSessions" >> beam.ParDo(_ParquetToSessions())
             )
         if len(parts) == 1:
