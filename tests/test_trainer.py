@@ -462,6 +462,29 @@ def test_batch_errors_name_the_field_and_sizes():
         Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY).fit(empty, steps=1)
 
 
+def test_an_update_on_zero_rows_is_refused_before_anything_moves():
+    # adamw's weight decay would move the parameters on an empty batch's zero gradient.
+    trainer = Trainer(MaskedRegression(), optax.adamw(0.1, weight_decay=0.5), key=KEY)
+    state = trainer.initial_state()
+    before = jax.device_get(state.params)
+    empty = {name: value[:0] for name, value in BATCHES[0].items()}
+    with pytest.raises(ValueError, match=r"batch has 0 rows \(field 'x' has shape \(0, 4, 3\)\)"):
+        trainer.train_step(state, empty)
+    # Nothing was dispatched, so the state was not donated: still readable, unchanged.
+    assert int(state.step) == 0 and int(state.updates) == 0
+    assert_trees_equal(state.params, before)
+    state, _ = trainer.train_step(state, BATCHES[0])  # the state is still usable
+    assert int(state.updates) == 1
+
+    class EmptyingRollout:  # a rollout whose batch comes back with no rows (all filtered)
+        def __call__(self, state, batch, key):
+            return {name: value[:0] for name, value in batch.items()}
+
+    emptying = Trainer(MaskedRegression(), optax.adamw(0.1), key=KEY, rollout=EmptyingRollout())
+    with pytest.raises(ValueError, match=r"training batch 1 has 0 rows \(field 'x'"):
+        emptying.fit(cycling(BATCHES), steps=1)
+
+
 def test_fit_argument_errors():
     trainer = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY)
     no_val = Dataset(train=lambda p: itertools.repeat(BATCHES[0]), val=None, batch=8)

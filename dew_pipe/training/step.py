@@ -4,8 +4,8 @@ One call of the update consumes one batch (a microbatch when accumulating):
 
 1. ``loss, metrics = objective.loss(params, batch, key, ema)`` and its gradient.
 2. NaN guard: a non-finite loss or gradient norm either leaves the whole state as it
-   was (``"raise"``: the host then raises) or consumes the batch without learning
-   from it (``"skip"``).
+   was (``"raise"``: the host then raises :class:`NonFiniteError`) or consumes the
+   batch without learning from it (``"skip"``).
 3. Accumulation: with ``accumulate=k`` the gradient is added to a buffer and the
    optimizer runs on every k-th accepted microbatch, like ``optax.MultiSteps``.
    Microbatch gradients are weighted by the objective's ``"loss_weight"`` metric,
