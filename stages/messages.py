@@ -213,7 +213,7 @@ class Orders:
 
 @dataclasses.dataclass(frozen=True)
 class Handover:
-    """Update to rollout and pack: the trainer now waits for batch ``batch``.
+    """From the update node (Handoff or Train) to rollout and pack: the trainer now waits for batch ``batch``.
 
     Attributes:
       batch: the batch number (the trainer's ``i``-th batch of this run).
@@ -230,7 +230,7 @@ class Handover:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Proximal:
-    """Update to rescore: rescore batch ``batch`` under ``params`` (version ``version``).
+    """From the update node (Handoff or Train) to rescore: rescore batch ``batch`` under ``params`` (version ``version``).
 
     ``params`` are the trainer's live weights: valid until that batch's update runs, which
     waits for the rescored batch, so rescore must not keep them past it.
