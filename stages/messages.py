@@ -213,7 +213,10 @@ class Orders:
 
 @dataclasses.dataclass(frozen=True)
 class Handover:
-    """From the update node (Handoff or Train) to rollout and pack: the trainer now waits for batch ``batch``.
+    """From the update node to rollout and pack: the trainer now waits for batch ``batch``.
+
+    The update node is a :class:`~dew_pipe.stages.handoff.Handoff` in the library view and a
+    :class:`~dew_pipe.stages.train.Train` in the pipeline view; both send these.
 
     Attributes:
       batch: the batch number (the trainer's ``i``-th batch of this run).
@@ -230,7 +233,7 @@ class Handover:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Proximal:
-    """From the update node (Handoff or Train) to rescore: rescore batch ``batch`` under ``params`` (version ``version``).
+    """From the update node to rescore: score batch ``batch`` under ``params`` (``version``).
 
     ``params`` are the trainer's live weights: valid until that batch's update runs, which
     waits for the rescored batch, so rescore must not keep them past it.
