@@ -10,7 +10,7 @@ from dew_pipe._lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "LMObjective": "dew_pipe.objectives.lm",
-    "Objective": "dew_pipe.objectives.base",
+    "Objective": "dew_pipe.training.objective",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew_pipe.objectives.base import Variables, check_variables
+from dew_pipe.training.objective import Variables, check_variables
 
 __all__ = ["LMObjective", "summarize_nll", "target_mask"]
 

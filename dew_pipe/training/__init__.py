@@ -5,6 +5,9 @@
     compiles the init, the update and the evaluation, and places every batch on the mesh.
     ``Trainer.train_step`` runs one update for callers that drive the steps themselves
     (the update stage of a pipeline); ``Trainer.fit`` runs the whole loop.
+``objective``
+    :class:`Objective`, the protocol of what the Trainer trains (``init``, ``loss``,
+    ``evaluate``, ``summarize``, ``ema_decay``), which ``dew_pipe.objectives`` implement.
 ``step``
     :class:`TrainState` (``dew_pipe.TrainState``) and the pure update step the Trainer
     compiles (``build_update``): the NaN guard (:class:`NonFiniteError`), gradient
@@ -48,6 +51,7 @@ _LAZY: dict[str, str] = {
     "Checkpoints": "dew_pipe.training.checkpoints",
     "FitLoop": "dew_pipe.training.loop",
     "NonFiniteError": "dew_pipe.training.step",
+    "Objective": "dew_pipe.training.objective",
     "TrainLog": "dew_pipe.training.log",
     "TrainState": "dew_pipe.training.step",
     "Trainer": "dew_pipe.training.trainer",

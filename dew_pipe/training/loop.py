@@ -16,8 +16,9 @@ The loop owns the run's :class:`~dew_pipe.training.data_stream.BatchStream`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -28,13 +29,31 @@ from dew_pipe.training.data_stream import BatchStream
 from dew_pipe.training.log import TrainLog
 from dew_pipe.training.step import NonFiniteError, TrainState
 
-if TYPE_CHECKING:
-    from dew_pipe.training.trainer import Trainer
-
 __all__ = ["FitLoop"]
 
 # fold_in constant that separates the rollout's key stream from the update's splits.
 _ROLLOUT_STREAM = 0x524F4C4C
+
+Metrics = dict[str, jax.Array]
+
+
+class Trainer(Protocol):
+    """What the loop uses of :class:`dew_pipe.training.trainer.Trainer` (which imports this
+    module, so the loop names the trainer by this protocol instead of importing it)."""
+
+    rollout: Any
+    run_dir: Path | None
+    log: Callable[[dict[str, Any]], None] | None
+    progress: bool | None
+    guard: str | None
+    checkpoint_every: int | None
+    _update: Callable[[TrainState, Metrics], tuple[TrainState, Metrics]]
+
+    def _place(self, batch: Mapping[str, Any], where: str, *, update: bool = False) -> Metrics: ...
+
+    def evaluate(
+        self, state: TrainState, data: Dataset, batches: int | None = None
+    ) -> dict[str, float]: ...
 
 
 def _rollout_metrics(rollout: Any) -> dict[str, float]:

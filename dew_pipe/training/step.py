@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dew_pipe.objectives.base import Objective, Variables
+from dew_pipe.training.objective import Objective, Variables
 
 __all__ = [
     "Accumulation",

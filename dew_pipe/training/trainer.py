@@ -26,9 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew_pipe._validate import check_int
 from dew_pipe.data.dataset import Dataset, Partition, check_batch
-from dew_pipe.objectives.base import Objective
 from dew_pipe.training.checkpoints import Checkpoints
 from dew_pipe.training.loop import FitLoop
+from dew_pipe.training.objective import Objective
 from dew_pipe.training.step import TrainState, build_update, init_state
 
 __all__ = ["Trainer"]
@@ -71,7 +71,7 @@ class Trainer:
     """Train an objective with an optax optimizer.
 
     Args:
-        objective: what to train (see :class:`dew_pipe.objectives.base.Objective`).
+        objective: what to train (see :class:`dew_pipe.training.objective.Objective`).
         optimizer: an optax gradient transformation over the full variables mapping.
         key: a typed PRNG key (``jax.random.key(seed)``); it seeds init and the run.
         rollout: ``batch = rollout(state, batch, key)`` runs on the host before each

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew_pipe.objectives.base import Variables
 from dew_pipe.objectives.lm import LMObjective, summarize_nll
+from dew_pipe.training.objective import Variables
 
 __all__ = ["DPOObjective", "sequence_log_probs"]
 

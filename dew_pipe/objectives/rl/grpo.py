@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_pipe.objectives.base import Variables, check_variables
 from dew_pipe.objectives.lm import summarize_nll
 from dew_pipe.objectives.rl import losses as L
 from dew_pipe.objectives.rl.grpo_batches import (
@@ -40,6 +39,7 @@ from dew_pipe.objectives.rl.grpo_batches import (
     validate_prompts,
 )
 from dew_pipe.objectives.rl.policy import PolicyOptions, policy_loss
+from dew_pipe.training.objective import Variables, check_variables
 
 __all__ = ["GRPOObjective", "prompt_rows", "token_log_probs"]
 

@@ -1,5 +1,9 @@
 """The Objective protocol: what the Trainer needs from a loss.
 
+It lives with the Trainer, which defines the contract; the objectives (``dew_pipe.objectives``,
+a floor above) implement it and import their shared types from here
+(``dew_pipe.objectives.Objective`` names the same class).
+
 An objective is a small object holding a model and its settings. It owns how
 variables are created (:meth:`Objective.init`) and the pure loss the Trainer
 differentiates; the Trainer owns everything around it (optimizer, EMA, gradient
