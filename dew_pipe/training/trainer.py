@@ -83,7 +83,8 @@ class Trainer:
             If it has a method ``metrics()`` returning ``{name: number}`` about its last
             call, those numbers join the step's metrics as ``rollout/<name>``.
         run_dir: directory for ``metrics.jsonl`` and ``checkpoints/``; ``fit`` resumes
-            from its newest checkpoint. ``None`` writes nothing.
+            from its newest checkpoint (to resume from an older one, move the newer step
+            directories out of ``checkpoints/``). ``None`` writes nothing.
         checkpoint_every: save every this many steps (and at the end of ``fit``). With a
             ``run_dir`` and ``None``, only the end of ``fit`` is saved.
         accumulate: microbatches per optimizer update. Their gradients are averaged
@@ -321,6 +322,8 @@ class Trainer:
 
         Raises:
             NonFiniteError: on a NaN/Inf loss or gradient with ``nan_guard="raise"``.
+            CheckpointError: when the newest checkpoint cannot be read, or
+                (``CheckpointMismatchError``) holds another setup's state.
             ValueError: for bad arguments or batches (naming the field and shapes).
         """
         if not isinstance(data, Dataset):
