@@ -47,7 +47,7 @@ class Trainer(Protocol):
     progress: bool | None
     guard: str | None
     checkpoint_every: int | None
-    _update: Callable[[TrainState, Metrics], tuple[TrainState, Metrics]]
+    _step: Callable[[TrainState, Metrics], tuple[TrainState, Metrics]]
 
     def _place(self, batch: Mapping[str, Any], where: str, *, update: bool = False) -> Metrics: ...
 
@@ -136,7 +136,7 @@ class FitLoop:
                 reported = _rollout_metrics(trainer.rollout)
             placed = trainer._place(batch, where, update=True)
             self._check_shapes(placed, where)
-            self.state, self.pending = trainer._update(self.state, placed)
+            self.state, self.pending = trainer._step(self.state, placed)
             if reported:
                 self.pending = {**self.pending, **reported}
             self.step += 1

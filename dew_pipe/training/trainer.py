@@ -167,7 +167,9 @@ class Trainer:
         init = functools.partial(init_state, objective, optimizer, accumulate=self.accumulate)
         self._init = jax.jit(init, out_shardings=self.replicated)
         update = build_update(objective, optimizer, accumulate=self.accumulate, guard=self.guard)
-        self._update = jax.jit(update, donate_argnums=0, out_shardings=self.replicated)
+        # The one compiled step (training/step.py) that fit and train_step dispatch; it
+        # donates the state it is given.
+        self._step = jax.jit(update, donate_argnums=0, out_shardings=self.replicated)
         self._evaluate = jax.jit(objective.evaluate, out_shardings=self.replicated)
 
     # ----------------------------------------------------------------- state
@@ -248,7 +250,7 @@ class Trainer:
         Example:
             >>> state, metrics = trainer.train_step(trainer.initial_state(), batch)  # doctest: +SKIP
         """
-        return self._update(state, self._place(batch, "batch", update=True))
+        return self._step(state, self._place(batch, "batch", update=True))
 
     # ----------------------------------------------------------------- evaluation
 
