@@ -246,11 +246,11 @@ class Checkpoints:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             jax.eval_shape(_to_tree, template),
         )
-        stored, wanted = self._layout(step), _layout(abstract)
-        if _differences(stored, wanted):
+        differences = _differences(self._layout(step), _layout(abstract))
+        if differences:
             raise CheckpointMismatchError(
                 f"{where} does not match this trainer's state (objective, optimizer, "
-                f"ema_decay or accumulate changed?): {_differences(stored, wanted)}"
+                f"ema_decay or accumulate changed?): {differences}"
             )
         _quiet_closed_loop_callbacks()  # before: late reports can come at any moment
         try:
@@ -297,7 +297,7 @@ class Checkpoints:
         """The stored arrays' paths and shapes, or :class:`CheckpointError`."""
         try:
             return self._read_layout(step)
-        except Exception as error:  # orbax: JSON, OS, tree errors...
+        except Exception as error:  # missing file, bad JSON, unexpected fields...
             raise CheckpointError(
                 self._unreadable(step, f"its array metadata cannot be read ({_one_line(error)})")
             ) from error
