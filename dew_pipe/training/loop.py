@@ -7,7 +7,8 @@ Each step:
 2. resolve the NaN guard of the previous step (the one host-device sync per step);
 3. ``batch = rollout(state, batch, key)`` on the host, when there is a rollout;
 4. check the batch and place it on the mesh (``Trainer._place``); dispatch the update;
-5. log, evaluate and checkpoint when due.
+5. log, evaluate and checkpoint when due (then call ``rollout.checkpointed(step)``, when the
+   rollout has that method).
 
 The loop owns the run's :class:`~dew_pipe.training.data_stream.BatchStream`,
 :class:`~dew_pipe.training.log.TrainLog` and the trainer's
@@ -211,6 +212,11 @@ class FitLoop:
         meta = {"data": self.stream.position(), "skipped_nonfinite": self.skipped}
         self.checkpoints.save(self.state, meta)
         self.saved_step = self.step
+        # A rollout that keeps work across runs (RolloutScheduler's journal) learns of the
+        # save, so it can forget what the checkpoint before this one trained on.
+        checkpointed = getattr(self.trainer.rollout, "checkpointed", None)
+        if callable(checkpointed):
+            checkpointed(self.step)
 
     def close(self) -> None:
         if self.stream is not None:

@@ -81,7 +81,8 @@ class Trainer:
             to the update as soon as the rollout returns: a rollout that keeps using
             ``state.params`` afterwards (a background engine, say) must copy them.
             If it has a method ``metrics()`` returning ``{name: number}`` about its last
-            call, those numbers join the step's metrics as ``rollout/<name>``.
+            call, those numbers join the step's metrics as ``rollout/<name>``. If it has
+            a method ``checkpointed(step)``, ``fit`` calls it after starting each save.
         run_dir: directory for ``metrics.jsonl`` and ``checkpoints/``; ``fit`` resumes
             from its newest checkpoint (to resume from an older one, move the newer step
             directories out of ``checkpoints/``). ``None`` writes nothing.
