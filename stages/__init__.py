@@ -11,6 +11,8 @@ stage          does
                handover, hands each batch back to the Trainer (``handoff.py``)
 ``Train``      the pipeline view's update stage: the same, then trains on each batch itself
                (``train.py``)
+``Journal``    not a stage: the sessions pack kept and the update has not consumed, on disk,
+               which rollout replays after a resume (``journal.py``)
 =============  ==================================================================================
 
 Both update stages sit at the graph's node named "update". :class:`GraphSettings` holds the
@@ -35,6 +37,7 @@ _LAZY: dict[str, str] = {
     "Handoff": "dew_pipe.stages.handoff",
     "publish": "dew_pipe.stages.handoff",
     "Train": "dew_pipe.stages.train",
+    "Journal": "dew_pipe.stages.journal",
     "WeightsPublisher": "dew_pipe.stages.protocols",
     "LikelihoodScorer": "dew_pipe.stages.protocols",
     "TrainingStep": "dew_pipe.stages.protocols",

@@ -33,6 +33,13 @@ and a stale one leaves its group (which reopens) and is resubmitted.
 A batch is ready when every group is admitted, cut or abandoned, or when ``admit`` groups
 are admitted (the rest are cancelled), and, when handovers pace the pipeline, once its
 handover has arrived. Batches are packed in order.
+
+**Replays.** After a resume, rollout may serve a first attempt from the rollout journal
+(:mod:`dew_pipe.stages.journal`) instead of the source; its plan names those tickets
+(``Plan.replayed``). They are counted (``totals["replayed"]``, ``SchedulerRecord.replayed``)
+and otherwise meet the rules above like any finished session. With ``journal=True`` every
+session kept from the source is also handed out by :meth:`Admission.take_kept` for the pack
+stage to journal.
 """
 
 from __future__ import annotations
@@ -50,12 +57,22 @@ from dew_pipe.objectives.rl.packing import TRUNCATIONS, chain_lengths, pack, row
 from dew_pipe.objectives.rl.session_stats import session_metrics
 from dew_pipe.objectives.rl.sessions import Session, Status
 
-__all__ = ["OUTCOMES", "Admission", "Ticket"]
+__all__ = ["OUTCOMES", "Admission", "Kept", "Ticket"]
 
 #: The outcomes a ticket can end in.
 OUTCOMES = ("admitted", "resubmitted", "discarded", "cancelled", "abandoned")
 
 Key = tuple[int, int, int]  # (group, sample, attempt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A session kept from the source: its batch, its task's row, the session, its stamps."""
+
+    batch: int
+    row: int
+    session: Session
+    stamps: Stamps
 
 
 @dataclasses.dataclass
@@ -78,6 +95,7 @@ class Ticket:
     outcome: str | None = None
     cause: str = ""
     kept: bool = False  # finished and held by its group, outcome still open
+    replayed: bool = False  # served from the rollout journal, not the source
 
 
 @dataclasses.dataclass
@@ -89,8 +107,8 @@ class _Kept:
 
 
 class _Group:
-    def __init__(self, group: int, task: int, batch: int, samples: int) -> None:
-        self.group, self.task, self.batch = group, task, batch
+    def __init__(self, group: int, task: int, batch: int, samples: int, row: int) -> None:
+        self.group, self.task, self.batch, self.row = group, task, batch, row
         self.failures = [0] * samples
         self.live: list[Ticket | None] = [None] * samples  # the sample's undecided ticket
         self.kept: list[_Kept] = []
@@ -126,6 +144,7 @@ class Admission:
       support_capacity: as for ``pack``.
       audit: keep every ticket in ``ledger`` for the whole run (tests); otherwise the
         tickets of packed batches are dropped and only ``totals`` keep count.
+      journal: hand every session kept from the source out through :meth:`take_kept`.
       clock: seconds, for the records.
 
     Example:
@@ -152,6 +171,7 @@ class Admission:
         estimator: str = "group",
         support_capacity: int | None = None,
         audit: bool = False,
+        journal: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.width = check_int("width", width, minimum=1)
@@ -166,6 +186,7 @@ class Admission:
         self.estimator = estimator
         self.support_capacity = support_capacity
         self.audit = audit
+        self.journal = journal
         self.clock = clock
         self.ledger: dict[Key, Ticket] = {}
         self.totals: collections.Counter[str] = collections.Counter()
@@ -179,6 +200,7 @@ class Admission:
         self._resubmit: list[Resubmit] = []
         self._cancel: list[Key] = []
         self._release: list[int] = []
+        self._kept_out: list[Kept] = []
 
     # ------------------------------------------------------------------ inputs
 
@@ -192,12 +214,16 @@ class Admission:
                 f"than groups={self.groups}"
             )
         batch = _Batch(plan.batch)
-        for group, task in zip(plan.groups, plan.tasks, strict=True):
-            g = _Group(group, task, plan.batch, plan.samples)
+        for row, (group, task) in enumerate(zip(plan.groups, plan.tasks, strict=True)):
+            g = _Group(group, task, plan.batch, plan.samples, row)
             for sample in range(plan.samples):
                 g.live[sample] = self._ticket((group, sample, 0), batch, task)
             batch.groups.append(g)
             self._groups[group] = g
+        for group, sample in plan.replayed:
+            self.ledger[(group, sample, 0)].replayed = True
+            batch.counts["replayed"] += 1
+            self.totals["replayed"] += 1
         self._batches[plan.batch] = batch
         handover = self._handovers.pop(plan.batch, None)
         if handover is not None:
@@ -245,6 +271,8 @@ class Admission:
             return
         ticket.kept = True
         group.kept.append(_Kept(session, float(stamps.latency), stamps.submitted_version, ticket))
+        if self.journal and not ticket.replayed:  # a replay is in the journal already
+            self._kept_out.append(Kept(ticket.batch, group.row, session, stamps))
         if len(group.kept) >= self.groups:
             self._complete(group)
 
@@ -267,6 +295,11 @@ class Admission:
         orders = Orders(tuple(self._resubmit), tuple(self._cancel), tuple(self._release))
         self._resubmit, self._cancel, self._release = [], [], []
         return orders
+
+    def take_kept(self) -> list[Kept]:
+        """The sessions kept from the source since the last call, for the journal."""
+        out, self._kept_out = self._kept_out, []
+        return out
 
     def ready(self, paced: bool) -> list[tuple[dict[str, np.ndarray], SchedulerRecord]]:
         """Pack every batch that is ready, in order: ``[(packed columns, record)]``.
@@ -488,6 +521,7 @@ class Admission:
             abandoned_groups=counts["abandoned_groups"],
             cut_groups=counts["cut_groups"],
             metrics=metrics,
+            replayed=counts["replayed"],
         )
         self._release.append(batch.index)
         for group in batch.groups:

@@ -22,6 +22,10 @@ and :func:`wire` connects them. Both views call it:
   ``pipelines/arithmetic.py``) with a :class:`TaskBatches` source and a
   :class:`~dew_pipe.stages.train.Train` update stage that trains on each batch itself.
 
+Resume: given a :class:`~dew_pipe.stages.journal.Journal`, the graph keeps the sessions
+it has finished but not trained on, and a resumed run replays them instead of sampling
+them again (pack records, rollout replays; see :mod:`dew_pipe.stages.journal`).
+
 Why lag stays bounded: rollout takes task batch ``j`` only once update has handed over
 batch ``j - ahead``, and submits it under the version served then, which a push keeps
 within ``sync_every - 1`` of the trainer's; batch ``j`` trains at most ``ahead`` updates
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 from dew_pipe.stages.handoff import Handoff, served_version
+from dew_pipe.stages.journal import Journal
 from dew_pipe.stages.pack import Pack
 from dew_pipe.stages.protocols import (
     LikelihoodScorer,
@@ -278,6 +283,7 @@ def build_graph(
     log: UpdateLog | None = None,
     owns_source: bool = False,
     group_ids: Iterator[int] | None = None,
+    journal: Journal | None = None,
     name: str = "grpo",
 ) -> Pipeline:
     """The graph's stages made from ``settings`` and wired, in a new pipeline.
@@ -300,6 +306,9 @@ def build_graph(
       steps, state, log: the ``Train`` stage's, with a trainer.
       owns_source: rollout closes ``source`` when the run ends.
       group_ids: where rollout's group ids come from (shared across runs, ids stay unique).
+      journal: a :class:`~dew_pipe.stages.journal.Journal` that pack records kept
+        sessions in and rollout replays a resumed run's in-flight sessions from (one
+        journal, both stages); None: a resumed run samples everything in flight again.
       name: the pipeline's name.
 
     Returns:
@@ -314,11 +323,12 @@ def build_graph(
     rollout = Rollout(
         source, groups=s.groups, oversample=s.oversample, ahead=s.ahead, max_lag=s.max_lag,
         timeout=s.timeout, version=served, group_ids=group_ids, owns_source=owns_source,
+        journal=journal,
     )  # fmt: skip
     pack = Pack(
         width=s.width, rows=s.rows, groups=s.groups, admit=s.admit, max_lag=s.max_lag,
         max_attempts=s.max_attempts, truncation=s.truncation, estimator=s.estimator,
-        support_capacity=s.support_capacity, audit=s.audit,
+        support_capacity=s.support_capacity, audit=s.audit, journal=journal,
     )  # fmt: skip
     shape = {"width": s.width, "support_capacity": s.support_capacity}
     update: Handoff
@@ -370,6 +380,7 @@ def grpo_pipeline(
     reward_workers: int = 2,
     state: TrainingState | Callable[[], TrainingState] | None = None,
     log: UpdateLog | None = None,
+    journal: Journal | None = None,
     name: str = "grpo_async",
 ) -> Pipeline:
     """The asynchronous GRPO graph around any source, publisher and trainer (pipeline view).
@@ -394,6 +405,8 @@ def grpo_pipeline(
       state: the training state to start from, or a function returning it, called when
         the run starts; None: ``trainer.initial_state()``.
       log: ``log(step, metrics, record)`` after each update (``Train``'s ``UpdateLog``).
+      journal: the rollout journal (see :func:`build_graph`); whoever saves the update
+        stage's state calls ``journal.checkpointed(int(state.step))`` after each save.
       name: the pipeline's name.
 
     Returns:
@@ -423,7 +436,7 @@ def grpo_pipeline(
     return build_graph(
         settings, tasks=tasks, source=source, weights=weights,
         scorer=rescorer(trainer.objective), reward=score, trainer=trainer, steps=steps,
-        state=state, log=log, owns_source=True, name=name,
+        state=state, log=log, owns_source=True, journal=journal, name=name,
     )  # fmt: skip
 
 

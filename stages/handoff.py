@@ -8,8 +8,9 @@ For each batch ``i`` the stage
    has fallen ``sync_every`` updates behind (or is ahead, after a restore from an older
    checkpoint); a push that leaves the served version where it was is tried once more,
    then fails the run (:func:`publish`);
-3. announces the handover (``Handover(i, version, served)``) to rollout, which may then
-   submit batches up to ``i + ahead``, and to pack, which checks lag against ``version``;
+3. announces the handover (``Handover(i, version, served, pushed, position)``) to rollout,
+   which may then submit batches up to ``i + ahead``, and to pack, which checks lag against
+   ``version``; ``position`` (the trainer's step) files journaled sessions for a resume;
 4. waits for batch ``i``, packed and rescored, with its record;
 5. hands it on.
 
@@ -166,15 +167,18 @@ class Handoff(Stage):
         for index, step in enumerate(ctx.read("trainer")):
             if step.batch != index:
                 raise RuntimeError(f"{self.name}: step for batch {step.batch}, expected {index}")
-            served = self._serve(ctx, index, step.version, step.params)
+            served = self._serve(ctx, index, step.version, step.params, step.position)
             if served is None:
                 return
             ctx.put("batches", Handed(index, *served))
 
     def _serve(
-        self, ctx: StageContext, index: int, version: int, params: Any
+        self, ctx: StageContext, index: int, version: int, params: Any, position: int | None
     ) -> tuple[pa.RecordBatch, SchedulerRecord | None] | None:
-        """Publish, hand over, wait for the batch: ``(rows, record)``, None at end of stream."""
+        """Publish, hand over, wait for the batch: ``(rows, record)``, None at end of stream.
+
+        ``position`` is the trainer's step as it takes the batch (None when unknown).
+        """
         # Rescoring needs only the trainer's weights, so it may run during the push (which
         # mostly waits for the server to reach a step boundary); the handover must follow
         # the push, since rollout submits the next batch under the version it announces.
@@ -183,7 +187,7 @@ class Handoff(Stage):
             served, pushed, push_s = version, False, 0.0
         else:
             served, pushed, push_s = publish(self.weights, params, version, self.sync_every)
-        ctx.put("handover", Handover(index, version, served, pushed))
+        ctx.put("handover", Handover(index, version, served, pushed, position))
         start = time.monotonic()
         rows = _next(ctx, "rows")
         if rows is None:

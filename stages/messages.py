@@ -169,6 +169,8 @@ class Plan:
       tasks: the task ids, in row order.
       samples: submissions per group (``groups + oversample`` of the scheduler).
       version: the weights version they were submitted under.
+      replayed: ``(group, sample)`` of the first attempts served from the rollout journal
+        (:mod:`dew_pipe.stages.journal`) instead of the source.
     """
 
     batch: int
@@ -176,6 +178,7 @@ class Plan:
     tasks: tuple[int, ...]
     samples: int
     version: int
+    replayed: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,12 +226,15 @@ class Handover:
       version: the trainer's version (``TrainState.updates``) it will train batch ``batch`` at.
       served: the version the weights publisher serves after any push.
       pushed: whether a push ran for this handover.
+      position: the trainer's step (``TrainState.step``, its data position) as it takes
+        the batch; the rollout journal files sessions under it. None when unknown.
     """
 
     batch: int
     version: int
     served: int
     pushed: bool = False
+    position: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -246,11 +252,13 @@ class Proximal:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
-    """The trainer's thread to the update stage: hand over batch ``batch`` at ``version``."""
+    """The trainer's thread to the update stage: hand over batch ``batch`` at ``version``
+    (the Trainer's step ``position``, when its state has one)."""
 
     batch: int
     version: int
     params: Any
+    position: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +288,8 @@ class SchedulerRecord:
       cut_groups: complete groups whose chains did not fit beside the earlier ones.
       waited_s: seconds from the handover until the batch was ready to train.
       push_s: seconds the weight push took at that handover.
+      replayed: of ``submitted``, the sessions served from the rollout journal after a
+        resume instead of the source (each then has an outcome like any submission).
       metrics: ``session_metrics`` over the admitted sessions and the packed batch, with
         each session's latency from submission to finish.
     """
@@ -303,6 +313,7 @@ class SchedulerRecord:
     waited_s: float = 0.0
     push_s: float = 0.0
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    replayed: int = 0
 
     @property
     def accounted(self) -> int:

@@ -11,6 +11,10 @@ version it will train at); once the handovers end the stage packs nothing more, 
 what still comes back and ends with its inputs, so every submission rollout made is
 accounted for. Without it, batches go out as soon as they are complete and lag is not
 checked.
+
+With a :class:`~dew_pipe.stages.journal.Journal`, every session admission keeps from the
+source is written to it as soon as it is kept, filed under its batch's position (the
+trainer's step, which the handovers carry), so a resumed run can replay it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.admission import Admission
+from dew_pipe.stages.admission import Admission, Kept
+from dew_pipe.stages.journal import Entry, Journal
 from dew_pipe.stages.messages import SESSION_ROWS, Handover, Orders, Plan, SchedulerRecord
 
 from dew_pipe.batches import packed_schema, packed_to_arrow
@@ -42,6 +47,8 @@ class Pack(Stage):
     Args:
       width, rows, groups, admit, max_lag, max_attempts, truncation, estimator,
       support_capacity, audit: see :class:`~dew_pipe.stages.admission.Admission`.
+      journal: where kept sessions are recorded for a resume (needs ``handover`` and
+        handovers that carry the trainer's ``position``); None records nothing.
       name: the stage's name.
 
     Attributes:
@@ -69,6 +76,7 @@ class Pack(Stage):
         estimator: str = "group",
         support_capacity: int | None = None,
         audit: bool = False,
+        journal: Journal | None = None,
         name: str = "pack",
     ) -> None:
         super().__init__(
@@ -95,12 +103,18 @@ class Pack(Stage):
             estimator=estimator,
             support_capacity=support_capacity,
             audit=audit,
+            journal=journal is not None,
         )
+        if journal is not None and not isinstance(journal, Journal):
+            raise TypeError(f"journal={journal!r}; expected None or a Journal")
+        self.journal = journal
         self.admission = Admission(**self._settings)  # checks the settings now
         self.shutdown_cause = "shutdown"
 
     def open(self) -> None:
         self.admission = Admission(**self._settings)
+        self._position: int | None = None  # the position of this run's batch 0
+        self._unfiled: list[Kept] = []  # kept before that position was known
 
     def close(self) -> None:
         self.admission.shutdown(self.shutdown_cause)
@@ -127,6 +141,7 @@ class Pack(Stage):
             if port == "plans":
                 self.admission.plan(item)
             elif port == "handover":
+                self._position_of(item)
                 self.admission.handover(item)
             else:
                 self._take(ctx, item)
@@ -152,7 +167,29 @@ class Pack(Stage):
                 return
             self.admission.plan(plan)
 
+    def _position_of(self, handover: Handover) -> None:
+        if self.journal is None or self._position is not None:
+            return
+        if handover.position is None:
+            raise ValueError(
+                f"{self.name}: a journal files sessions under the trainer's position, but "
+                f"the handover of batch {handover.batch} carries none"
+            )
+        self._position = handover.position - handover.batch
+
+    def _journal(self) -> None:
+        """Record the sessions kept since the last flush (atomically, one file each)."""
+        self._unfiled.extend(self.admission.take_kept())
+        if self.journal is None or not self._unfiled or self._position is None:
+            return  # (a session read before the first handover waits for its position)
+        base, kept, self._unfiled = self._position, self._unfiled, []
+        self.journal.record(
+            Entry(base + k.batch, k.row, k.session, k.stamps.submitted_version, k.stamps.latency)
+            for k in kept
+        )
+
     def _flush(self, ctx: StageContext, paced: bool) -> None:
+        self._journal()
         ready = self.admission.ready(paced)
         orders = self.admission.take_orders()
         if orders:

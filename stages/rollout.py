@@ -15,6 +15,17 @@ cancelled without waiting for the source and reported at once as CANCELLED sessi
 
 A source whose future raises (instead of resolving to a session with a status) is broken:
 the stage fails with that exception, and ``close`` cancels everything still running.
+
+With a :class:`~dew_pipe.stages.journal.Journal` the stage replays a resumed run's
+journaled sessions. At the run's first handover it learns the trainer's position and
+version (those the run resumed at) and loads the journal from that position on; each task
+batch it takes then looks up every sample in the journal before submitting it. A sample
+found there is not submitted: its session is put on ``sessions`` as if it had just
+finished (stamped with its original submission version), and the plan names it
+(``Plan.replayed``) so pack counts it. One with a call sampled after the version the run
+resumed at comes from weights that died with the old process; it goes out with ``cause``
+"stale", so pack resubmits the sample. Journaled sessions of the batch that match no sample
+are dropped and counted (``Journal.counts["unmatched"]``).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
+from dew_pipe.stages.journal import Entry, Journal
 from dew_pipe.stages.messages import (
     SESSION_ROWS,
     Handover,
@@ -101,7 +113,13 @@ class Rollout(Stage):
       group_ids: where group ids come from (share one across runs of a scheduler so ids
         stay unique); default ``itertools.count()``.
       owns_source: close the source when the stage closes.
+      journal: replay the journaled sessions of a resumed run instead of submitting those
+        samples (needs ``handover`` with the trainer's ``position``); None never does.
       name: the stage's name.
+
+    Attributes:
+      submitted: submissions made to the source, readable after a run.
+      replayed: samples served from the journal instead.
 
     Raises:
       ValueError, TypeError: bad arguments.
@@ -142,6 +160,7 @@ class Rollout(Stage):
         version: Callable[[], int] | None = None,
         group_ids: Iterator[int] | None = None,
         owns_source: bool = False,
+        journal: Journal | None = None,
         name: str = "rollout",
     ) -> None:
         super().__init__(
@@ -172,8 +191,12 @@ class Rollout(Stage):
         self.timeout = check_float("timeout", timeout, above=0.0, allow_none=True)
         self._version_fn = version
         self._group_ids = itertools.count() if group_ids is None else group_ids
+        if journal is not None and not isinstance(journal, Journal):
+            raise TypeError(f"journal={journal!r}; expected None or a Journal")
         self.owns_source = owns_source
-        self.submitted = 0  # submissions made, readable after a run
+        self.journal = journal
+        self.submitted = 0
+        self.replayed = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,6 +209,8 @@ class Rollout(Stage):
         self._served = 0
         self._reported: list[tuple[Session, Stamps]] = []  # cancellations of our own
         self._final = False  # pack said no order follows
+        self._position: int | None = None  # the trainer's position at batch 0 (journal)
+        self._resumed_at = 0  # the trainer's version at batch 0 (journal)
 
     def close(self) -> None:
         live, self._live = list(self._live.values()), {}
@@ -276,14 +301,21 @@ class Rollout(Stage):
         self._next_batch += 1
         version = self._version()
         groups = [next(self._group_ids) for _ in tasks]
+        replays = self._claim(batch, tasks, groups)
         if ctx.connected("plans"):
-            plan = Plan(batch, tuple(groups), tuple(t.id for t in tasks), self.samples, version)
+            replayed = tuple(sorted(replays))
+            plan = Plan(batch, tuple(groups), tuple(t.id for t in tasks), self.samples, version,
+                        replayed)  # fmt: skip
             ctx.put("plans", plan)  # before any result of the batch can reach pack
         self._batch_groups[batch] = groups
         for task, group in zip(tasks, groups, strict=True):
             self._tasks[group] = task
             for sample in range(self.samples):
-                self._submit(ctx, batch, group, sample, 0, version)
+                entry = replays.get((group, sample))
+                if entry is None:
+                    self._submit(ctx, batch, group, sample, 0, version)
+                else:
+                    self._replay(batch, task, group, sample, entry)
 
     def _submit(
         self, ctx: StageContext, batch: int, group: int, sample: int, attempt: int, version: int
@@ -304,6 +336,35 @@ class Rollout(Stage):
         ctx.track(future)
         self._live[live.ticket] = live
         self.submitted += 1
+
+    def _claim(
+        self, batch: int, tasks: list[Task], groups: list[int]
+    ) -> dict[tuple[int, int], Entry]:
+        """The journaled sessions of this batch's samples, by ``(group, sample)``."""
+        if self.journal is None:
+            return {}
+        if self._position is None:
+            raise RuntimeError(f"{self.name}: took task batch {batch} before any handover")
+        position = self._position + batch
+        replays = {}
+        for row, (task, group) in enumerate(zip(tasks, groups, strict=True)):
+            for sample in range(self.samples):
+                entry = self.journal.claim(position, row, sample, task.id)
+                if entry is not None:
+                    replays[(group, sample)] = entry
+        self.journal.release(position)
+        return replays
+
+    def _replay(self, batch: int, task: Task, group: int, sample: int, entry: Entry) -> None:
+        """Put a journaled session out as the first attempt of ``(group, sample)``."""
+        session = dataclasses.replace(
+            entry.session, task=task.id, group=group, sample=sample, attempt=0
+        )
+        newest = max((c.version for c in session.calls), default=entry.submitted_version)
+        cause = "stale" if newest > self._resumed_at else ""  # weights that died with the run
+        stamps = Stamps(batch, entry.submitted_version, entry.latency, cause, task)
+        self._reported.append((session, stamps))
+        self.replayed += 1
 
     def _obey(self, ctx: StageContext, orders: Orders) -> None:
         self._final = self._final or orders.final
@@ -328,6 +389,15 @@ class Rollout(Stage):
                 self.source.cancel(self._live.pop(ticket).future)
 
     def _hand(self, handover: Handover) -> None:
+        if self.journal is not None and self._position is None:
+            if handover.position is None:
+                raise ValueError(
+                    f"{self.name}: a journal replays sessions by the trainer's position, but "
+                    f"the handover of batch {handover.batch} carries none"
+                )
+            self._position = handover.position - handover.batch
+            self._resumed_at = handover.version
+            self.journal.resume(self._position)
         self._handed = max(self._handed, handover.batch)
         self._served = handover.served
         if self.max_lag is None:

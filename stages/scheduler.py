@@ -18,6 +18,14 @@ run reads the in-flight batches again and submits them again. Opening the stream
 (another ``fit``, a resume) stops the pipeline, cancelling the sessions the old stream
 left running; a new epoch of the same stream does not.
 
+Resume without losing in-flight rollouts: with ``journal=run_dir / "rollouts"`` the
+sessions finished but not yet trained on are kept on disk as they finish (see
+:mod:`dew_pipe.stages.journal`), and a resumed run, in this process or a new one after a
+crash, replays those still within ``max_lag`` of the restored trainer instead of sampling
+them again; the rest are resubmitted (cause "stale"). The Trainer tells the scheduler of
+each checkpoint (:meth:`RolloutScheduler.checkpointed`), which lets the journal forget
+what a complete checkpoint has trained on.
+
 Accounting: every submission ends in exactly one outcome (see ``totals`` and, with
 ``audit=True``, ``ledger``), including those still running when the pipeline stops: a stop
 (``close``, a reopened stream) is graceful, so pack learns of every submission rollout made
@@ -31,6 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -39,6 +48,7 @@ import numpy as np
 from dew_pipe.stages.admission import Ticket
 from dew_pipe.stages.graph import GraphSettings, build_graph, rescorer, task_batch
 from dew_pipe.stages.handoff import served_version
+from dew_pipe.stages.journal import Journal
 from dew_pipe.stages.messages import Handed, SchedulerRecord, Step
 from dew_pipe.stages.pack import Pack
 from dew_pipe.stages.protocols import LikelihoodScorer, TrainingState, WeightsPublisher
@@ -103,6 +113,12 @@ class RolloutScheduler:
         ``settings``). ``max_lag`` is at least ``ahead + sync_every - 1``, and any lag
         needs the objective's ``behavior_importance``; ``audit`` keeps every submission's
         :class:`~dew_pipe.stages.admission.Ticket` in ``ledger``.
+      journal: a directory (or a :class:`~dew_pipe.stages.journal.Journal`) where the
+        sessions finished but not yet trained on are kept, so that a resumed run replays
+        those still within ``max_lag`` instead of sampling them again; put it in the
+        Trainer's run directory (``run_dir / "rollouts"``). None (the default): a resumed
+        run samples everything that was in flight again. Needs a state with ``step``
+        (``dew_pipe.TrainState``).
 
     Raises:
       TypeError, ValueError: bad arguments, naming the one at fault; ``max_lag`` below
@@ -141,6 +157,7 @@ class RolloutScheduler:
         reward: Score | None = None,
         reward_workers: int = 4,
         audit: bool = False,
+        journal: str | os.PathLike | Journal | None = None,
     ) -> None:
         import jax
 
@@ -163,6 +180,11 @@ class RolloutScheduler:
         if not isinstance(weights, WeightsPublisher):
             raise TypeError(f"weights={weights!r}; expected a publisher with load(params, version)")
         served_version(weights)
+        if journal is not None and not isinstance(journal, Journal):
+            if not isinstance(journal, str | os.PathLike):
+                raise TypeError(f"journal={journal!r}; expected None, a directory or a Journal")
+            journal = Journal(journal)
+        self.journal: Journal | None = journal
         self.settings.check_objective(objective)
         self.objective, self.source, self.weights = objective, source, weights
         self.tasks_reader, self.log, self.reward = tasks, log, reward
@@ -273,7 +295,15 @@ class RolloutScheduler:
                     self._put(parts.tasks, item.tasks)
                     item.pushed = True
             index = self._handed
-            self._put(parts.trainer, Step(index, int(state.updates), state.params))
+            position = getattr(state, "step", None)
+            if position is None and self.journal is not None:
+                raise TypeError(
+                    f"RolloutScheduler(journal=...) files sessions by the trainer's step, but "
+                    f"the state ({type(state).__name__}) has no 'step'"
+                )
+            position = None if position is None else int(position)
+            step = Step(index, int(state.updates), state.params, position)
+            self._put(parts.trainer, step)
             try:
                 handed: Handed = parts.outlet.get()
             except EndOfStream:
@@ -284,6 +314,18 @@ class RolloutScheduler:
         if self.log is not None and record is not None:
             self.log(record)
         return dict(packed_from_arrow(handed.rows))
+
+    def checkpointed(self, step: int) -> None:
+        """The Trainer started saving a checkpoint at ``step`` (``fit`` calls this after
+        each save): the journal may forget the batches the checkpoint before it trained on.
+        Does nothing without a journal.
+
+        Example:
+          >>> RolloutScheduler.checkpointed.__doc__ is not None
+          True
+        """
+        if self.journal is not None:
+            self.journal.checkpointed(step)
 
     def metrics(self) -> dict[str, float]:
         """The last batch's figures, for the Trainer's log (it prefixes ``rollout/``).
@@ -302,7 +344,7 @@ class RolloutScheduler:
             return {}
         names = (
             "lag", "waited_s", "push_s", "admitted_groups", "admitted_sessions", "submitted",
-            "discarded", "cancelled", "abandoned", "abandoned_groups", "cut_groups",
+            "discarded", "cancelled", "abandoned", "abandoned_groups", "cut_groups", "replayed",
         )  # fmt: skip
         out = {n: float(getattr(record, n)) for n in names if getattr(record, n) is not None}
         out.update({f"resubmitted/{k}": float(v) for k, v in record.resubmitted.items()})
@@ -361,7 +403,7 @@ class RolloutScheduler:
         pipeline = build_graph(
             self.settings, tasks=tasks, source=self.source, weights=self.weights,
             scorer=self._scorer, reward=self.reward, group_ids=self._group_ids,
-            name="rollout-scheduler",
+            journal=self.journal, name="rollout-scheduler",
         )  # fmt: skip
         pipeline.add(trainer)
         pipeline.add(outlet)
@@ -436,8 +478,9 @@ class RolloutScheduler:
         """Submissions and their outcomes over every run so far.
 
         Keys: ``submitted``, each outcome (``admitted``, ``resubmitted``, ``discarded``,
-        ``cancelled``, ``abandoned``) and ``resubmitted/<cause>``. Submissions still in
-        flight have no outcome yet.
+        ``cancelled``, ``abandoned``), ``resubmitted/<cause>`` and ``replayed`` (of the
+        submissions, those served from the journal). Submissions still in flight have no
+        outcome yet.
         """
         total: collections.Counter = collections.Counter()
         for admission in self._admissions():

@@ -119,7 +119,9 @@ class Train(Handoff):
         for index in range(self.steps):
             if ctx.cancelled:
                 raise Cancelled()
-            served = self._serve(ctx, index, int(state.updates), state.params)
+            position = getattr(state, "step", None)
+            position = None if position is None else int(position)
+            served = self._serve(ctx, index, int(state.updates), state.params, position)
             if served is None:
                 return
             rows, record = served
