@@ -464,11 +464,14 @@ class TaskBatches(Source):
       data: the training data; ``data.train`` is read epoch after epoch.
       tasks: turns a batch into Tasks (``task_ids``, ``prompt_tasks``, or your own).
       batches: stop after this many (None: run until the consumer stops).
+      start: batches to skip first (over epochs): a resumed run's data position, the
+        ``step`` of the state it resumes from, so each batch meets the position it had
+        (and a journal's in-flight sessions are replayed into it).
       name: the stage's name.
 
     Raises:
-      TypeError: ``data`` is not a Dataset, ``tasks`` not callable, ``batches`` not an int;
-        ValueError: ``batches`` below 0.
+      TypeError: ``data`` is not a Dataset, ``tasks`` not callable, ``batches`` or
+        ``start`` not an int; ValueError: ``batches`` or ``start`` below 0.
 
     Example:
       >>> import itertools, numpy as np
@@ -476,6 +479,10 @@ class TaskBatches(Source):
       >>> stage = TaskBatches(data, batches=3)
       >>> [b.num_rows for b in stage.items()]
       [2, 2, 2]
+      >>> counting = Dataset(train=lambda p: ({"task_id": np.arange(k, k + 1)} for k in range(3)),
+      ...                    batch=1)
+      >>> [b.column("task_id")[0].as_py() for b in TaskBatches(counting, batches=3, start=2).items()]
+      [2, 0, 1]
     """
 
     def __init__(
@@ -484,6 +491,7 @@ class TaskBatches(Source):
         tasks: Callable[[Mapping[str, np.ndarray]], list[Task]] = task_ids,
         *,
         batches: int | None = None,
+        start: int = 0,
         name: str = "tasks",
     ) -> None:
         if not isinstance(data, Dataset):
@@ -491,17 +499,21 @@ class TaskBatches(Source):
         if not callable(tasks):
             raise TypeError(f"tasks={tasks!r}; expected a function of a batch returning Tasks")
         batches = check_int("batches", batches, minimum=0, allow_none=True)
+        start = check_int("start", start, minimum=0)
         super().__init__(name, output_type=TASKS_SCHEMA)
-        self.data, self.reader, self.batches = data, tasks, batches
+        self.data, self.reader, self.batches, self.start = data, tasks, batches, start
 
     def items(self) -> Iterator[pa.RecordBatch]:
-        count = 0
+        count, skip = 0, self.start
         while self.batches is None or count < self.batches:
             iterator = self.data.open_train(Partition(0, 1))
             empty = True
             try:
                 for batch in iterator:
                     empty = False
+                    if skip:
+                        skip -= 1
+                        continue
                     if self.batches is not None and count >= self.batches:
                         return
                     yield task_batch(self.reader(batch))

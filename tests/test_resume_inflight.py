@@ -372,3 +372,35 @@ def test_a_run_killed_mid_stream_resumes_without_losing_or_repeating_sessions(tm
     assert totals["submitted"] == len(source.submitted) + totals["replayed"]
     assert totals["admitted"] == 4 * 4 and totals["replayed"] == 6
     assert all(t.outcome == "admitted" for t in ledger if t.replayed)
+
+
+@pytest.mark.slow
+def test_the_pipeline_view_replays_the_journal_through_the_same_graph(tmp_path):
+    import jax
+    import optax
+    from dew_pipe.stages import TaskBatches, grpo_pipeline
+    from grpo_helpers import WIDTH, tiny_decoder
+
+    from dew_pipe import Trainer
+    from dew_pipe.objectives.rl import GRPOObjective, task_ids
+
+    Journal(tmp_path).record(
+        [entry(2, 0, 4, 0, 2, seed=1), entry(2, 1, 5, 1, 1, seed=2), entry(3, 1, 7, 0, 2, seed=3)]
+    )
+    objective = GRPOObjective(tiny_decoder(), seq_len=WIDTH - 1, behavior_importance=2.0)
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), progress=False)
+    resumed = dataclasses.replace(trainer.initial_state(), step=jnp.int32(2), updates=jnp.int32(2))
+    weights = FakeWeights()
+    source = FakeSource(weights, lambda s: Outcome(reward=float(s.sample)))
+    records = []
+    pipeline = grpo_pipeline(
+        tasks=TaskBatches(task_data(8, 2), task_ids, start=2), source=source, weights=weights,
+        trainer=trainer, score=None, width=WIDTH, rows=4, groups=2, steps=2, state=resumed,
+        log=lambda step, metrics, record: records.append(record), journal=Journal(tmp_path),
+    )  # fmt: skip
+    pipeline.run(timeout=120)
+    assert int(pipeline.stages["update"].state.step) == 4
+    assert [r.replayed for r in records] == [2, 1]
+    assert all(r.accounted == r.submitted and r.lag <= 1 for r in records)
+    first = [(s.task, s.sample) for s in source.submitted if s.task in (4, 5, 6, 7)]
+    assert sorted(first) == [(4, 1), (5, 0), (6, 0), (6, 1), (7, 1)]  # the rest replayed
