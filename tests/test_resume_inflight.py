@@ -66,6 +66,19 @@ def test_journal_files_are_sessions_parquet_with_their_stamps(tmp_path):
     assert journal.counts["recorded"] == 3
 
 
+def test_beam_reads_a_journal_as_recorded_sessions(tmp_path):
+    import apache_beam as beam
+    from apache_beam.testing.util import assert_that, equal_to
+
+    from dew_pipe.beam import ReadSessions
+
+    written = [entry(2, 0, 4, 0, 2, seed=1), entry(3, 1, 7, 0, 2, seed=3)]
+    Journal(tmp_path).record(written)
+    with beam.Pipeline("FnApiRunner") as p:
+        got = p | ReadSessions(str(tmp_path / "*.parquet"))
+        assert_that(got, equal_to([e.session for e in written]))
+
+
 def test_an_interrupted_write_leaves_no_file_that_looks_complete(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 

@@ -4,6 +4,11 @@ The files are what :func:`dew_pipe.objectives.rl.sessions.to_arrow` produces, sh
 ``dew_pipe.batches.read_parquet`` + ``from_arrow`` read them in process, and
 :class:`dew_pipe.beam.ReadSessions` reads them back into a pipeline (for instance to pack
 them offline with :class:`dew_pipe.beam.PackSessions`).
+
+The rollout journal that lets a resumed ``RolloutScheduler`` replay its in-flight sessions
+(:mod:`dew_pipe.stages.journal`) writes files of this same format from the running
+pipeline, one per chunk, with each session's stamps in the Parquet schema metadata;
+``ReadSessions`` reads them too.
 """
 
 from __future__ import annotations
