@@ -35,7 +35,11 @@ resumes at (trained on by the restored state). ``checkpointed(position)`` (the T
 it through ``RolloutScheduler.checkpointed`` after each save) deletes those below the
 *previous* checkpoint's position: saves are asynchronous, and the previous one is known to
 be on disk once the next has started, so the journal always covers the newest complete
-checkpoint. Use one journal directory per run directory (``run_dir / "rollouts"``).
+checkpoint. The journal therefore holds the sessions of every batch since the checkpoint
+before the newest: checkpoint regularly (``Trainer(checkpoint_every=...)``) to bound it.
+Use one journal directory per run directory (``run_dir / "rollouts"``), written by one
+process at a time. Files are renamed into place but not fsynced: they survive a killed
+process, not a lost machine (a resume then samples those sessions again).
 
 Example:
     >>> import tempfile
