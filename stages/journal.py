@@ -39,7 +39,8 @@ checkpoint. The journal therefore holds the sessions of every batch since the ch
 before the newest: checkpoint regularly (``Trainer(checkpoint_every=...)``) to bound it.
 Use one journal directory per run directory (``run_dir / "rollouts"``), written by one
 process at a time. Files are renamed into place but not fsynced: they survive a killed
-process, not a lost machine (a resume then samples those sessions again).
+process, not a lost machine (a file damaged that way stops the resume with an error
+naming it; delete it and its sessions are sampled again).
 
 Example:
     >>> import tempfile
@@ -229,7 +230,14 @@ class Journal:
                     self.counts["consumed"] += _rows(path)
                     path.unlink(missing_ok=True)
                     continue
-                for entry in _read(path):  # oldest file first: a newer copy replaces it
+                try:
+                    entries = _read(path)
+                except ValueError as error:
+                    raise ValueError(
+                        f"{error}; delete it to resume without it (its sessions are then "
+                        "sampled again)"
+                    ) from error
+                for entry in entries:  # oldest file first: a newer copy replaces it
                     key = (entry.position, entry.row, entry.session.sample)
                     if key in self._entries:
                         self.counts["superseded"] += 1
