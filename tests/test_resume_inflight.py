@@ -237,7 +237,10 @@ def ready():  # checkpoint 2 on disk, batches 2 (half) and 3 (whole) journaled
     while True:
         done = (run_dir / "checkpoints" / "2" / "_CHECKPOINT_METADATA").exists()
         if done and (run_dir / "rollouts").is_dir():
-            positions = [e.position for e in read_journal(run_dir / "rollouts")]
+            try:
+                positions = [e.position for e in read_journal(run_dir / "rollouts")]
+            except ValueError:  # a file pruned while we read: look again
+                positions = []
             if positions.count(2) == 2 and positions.count(3) == 4:
                 (run_dir / "ready").write_text("ready")
                 return
