@@ -207,7 +207,8 @@ class Rollout(Stage):
         self._next_batch = 0
         self._handed = -1
         self._served = 0
-        self._reported: list[tuple[Session, Stamps]] = []  # cancellations of our own
+        # Sessions that finished without the source: our own cancellations, and replays.
+        self._reported: list[tuple[Session, Stamps]] = []
         self._final = False  # pack said no order follows
         self._position: int | None = None  # the trainer's position at batch 0 (journal)
         self._resumed_at = 0  # the trainer's version at batch 0 (journal)
@@ -303,9 +304,8 @@ class Rollout(Stage):
         groups = [next(self._group_ids) for _ in tasks]
         replays = self._claim(batch, tasks, groups)
         if ctx.connected("plans"):
-            replayed = tuple(sorted(replays))
-            plan = Plan(batch, tuple(groups), tuple(t.id for t in tasks), self.samples, version,
-                        replayed)  # fmt: skip
+            ids, replayed = tuple(t.id for t in tasks), tuple(sorted(replays))
+            plan = Plan(batch, tuple(groups), ids, self.samples, version, replayed)
             ctx.put("plans", plan)  # before any result of the batch can reach pack
         self._batch_groups[batch] = groups
         for task, group in zip(tasks, groups, strict=True):
@@ -361,7 +361,14 @@ class Rollout(Stage):
             entry.session, task=task.id, group=group, sample=sample, attempt=0
         )
         newest = max((c.version for c in session.calls), default=entry.submitted_version)
-        cause = "stale" if newest > self._resumed_at else ""  # weights that died with the run
+        cause = ""
+        if newest > self._resumed_at:  # sampled from weights that died with the old run
+            cause = "stale"
+            session = dataclasses.replace(
+                session,
+                detail=f"replayed from the journal: a call of version {newest}, after the "
+                f"version {self._resumed_at} the run resumed at",
+            )
         stamps = Stamps(batch, entry.submitted_version, entry.latency, cause, task)
         self._reported.append((session, stamps))
         self.replayed += 1
