@@ -1,5 +1,22 @@
 """Reinforcement-learning objectives, rollouts and the session records they train on.
 
+Objectives: ``dpo`` (:class:`DPOObjective`), ``grpo`` (:class:`GRPOObjective` on packed
+rows) built from ``policy`` (the policy options and their composition into one loss) and
+``losses`` (the pure token-level pieces); ``grpo_batches`` checks what GRPO reads.
+
+Sessions, from records to rows: ``session_records`` defines the records a rollout engine
+reports (``Call``, ``Session``, ``Status``, ``Task``, ``SessionSource``), which the spec's
+module ``sessions`` serves together with the functions over them; ``advantages`` scores a
+group, ``packing`` (:func:`pack`) lays sessions into fixed ``[rows, width]`` rows,
+``session_stats`` measures a batch, ``session_arrow`` is the one mapping between records and
+Arrow rows (the schemas are in :mod:`dew_pipe.rollout_batches`), and ``task_rows`` turns a
+training batch into tasks.
+
+Some names live on higher floors and are only named here, so the spec's import paths work:
+``SampledRollout`` and ``PromptSource`` (they sample, so they live in
+:mod:`dew_pipe.inference`) and ``RolloutScheduler`` (composed of stages, in
+:mod:`dew_pipe.stages`).
+
 Names resolve lazily (module ``__getattr__``) so importing the package costs nothing until a
 name is used. To export a new name, add it to ``_LAZY`` with the module that defines it.
 """
