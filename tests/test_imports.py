@@ -45,6 +45,7 @@ FLOORS: dict[str, int] = {
     "dew_pipe.sampling": 1,
     "dew_pipe.inference": 1,
     "dew_pipe.tasks": 1,  # task definitions: prompts, verifiers (ready jobs are pipelines)
+    "dew_pipe.rewards": 1,  # verifiable rewards (MathReward, CodeReward on the sandbox fleet)
     "dew_pipe.flow": 2,
     "dew_pipe.stages": 3,
     "dew_pipe.beam": 3,  # offline jobs built from the objectives' functions

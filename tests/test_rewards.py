@@ -1,0 +1,234 @@
+"""Verifiable rewards: MathReward's exact answers and CodeReward's test cases.
+
+Each reward is checked on a table of completions with the reward a reader expects, on the
+errors a broken reference raises, and through `PromptSource` over the native server (a
+tiny greedy model whose sampled ids ``decode`` turns into an answer), where the reward runs
+on the source's scoring pool while the server generates.
+"""
+
+from __future__ import annotations
+
+import doctest
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serving_helpers import PROBES, bfloat16_model, greedy_references, tiny_model
+
+from dew_pipe.inference import NativeRolloutServer, PromptSource, Server, ServeTask
+from dew_pipe.objectives.rl.sessions import Status, Task
+from dew_pipe.rewards import MathReward, last_boxed, math_answers, parse_rational
+from dew_pipe.rewards.math_answers import MAX_ANSWER_CHARS
+from dew_pipe.sampling import Sampling
+
+
+@pytest.mark.parametrize("module", [math_answers], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------ MathReward
+
+MATH_CASES = [
+    # fractions: any spelling of the same rational agrees
+    (r"so \boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{\dfrac12}", "1/2", 1.0),
+    (r"\boxed{1/2}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\frac{2}{4}}", "0.5", 1.0),
+    (r"\boxed{\tfrac{3}{2}}", "1.5", 1.0),
+    (r"\boxed{\frac{1}{3}}", "0.333", 0.0),
+    (r"\boxed{0.333}", r"\frac{1}{3}", 0.0),
+    (r"\boxed{\frac{1}{3}}", "2/6", 1.0),
+    # decimals are the number written, compared exactly
+    (r"\boxed{0.50}", "1/2", 1.0),
+    (r"\boxed{.5}", "1/2", 1.0),
+    (r"\boxed{2.5}", r"\frac{5}{2}", 1.0),
+    (r"\boxed{0.1234567890123456789}", "1234567890123456789/10000000000000000000", 1.0),
+    (r"\boxed{0.1000000000000000001}", "0.1", 0.0),  # equal as floats, not as rationals
+    (r"\boxed{0.1 + 0.2}", "0.3", 1.0),  # 0.30000000000000004 in floats
+    # negatives
+    (r"\boxed{-3}", "-3", 1.0),
+    (r"\boxed{-\frac{3}{4}}", "-0.75", 1.0),
+    (r"\boxed{\frac{-1}{2}}", "-1/2", 1.0),
+    (r"\boxed{3}", "-3", 0.0),
+    (r"\boxed{-0}", "0", 1.0),
+    # thousands separators: groups of three digits; anything else is a list
+    (r"\boxed{1,000}", "1000", 1.0),
+    (r"\boxed{1{,}000}", "1000", 1.0),
+    (r"\boxed{1,5}", "1.5", 0.0),
+    # nested braces and exact arithmetic
+    (r"\boxed{\frac{\frac{1}{2}}{2}}", "1/4", 1.0),
+    (r"\boxed{2^{-1}}", "0.5", 1.0),
+    (r"\boxed{\sqrt{\frac{9}{4}}}", "3/2", 1.0),
+    (r"\boxed{\sqrt[3]{-27}}", "-3", 1.0),
+    (r"\boxed{\left(\frac{1}{2}\right)}", "0.5", 1.0),
+    (r"\boxed{a\{b\}}", "1", 0.0),  # escaped braces are literal, not groups
+    # several boxes: the last one is the answer, even when an earlier one was right
+    (r"first \boxed{1}, no: \boxed{2}", "2", 1.0),
+    (r"first \boxed{1}, no: \boxed{2}", "1", 0.0),
+    (r"\boxed{\boxed{7}}", "7", 1.0),
+    (r"\boxed{2} and then \boxed{\frac{1}{2}", "2", 0.0),  # the last box never closes
+    # no box
+    ("The answer is 1/2.", "1/2", 0.0),
+    ("", "1", 0.0),
+    (r"\boxed 5", "5", 0.0),  # no braced argument
+    (r"\boxedfive{5}", "5", 0.0),  # another command
+    # malformed LaTeX and non-numbers score 0, never raise
+    (r"\boxed{\frac{1}{}}", "1", 0.0),
+    (r"\boxed{}", "0", 0.0),
+    (r"\boxed{1 +}", "1", 0.0),
+    (r"\boxed{\frac{1}{0}}", "0", 0.0),
+    (r"\boxed{)(}", "0", 0.0),
+    (r"\boxed{\sqrt{2}}", "1.4142135623730951", 0.0),
+    (r"\boxed{\pi}", "3.14159", 0.0),
+    (r"\boxed{x}", "1", 0.0),
+    (r"\boxed{\infty}", "1", 0.0),
+    # answer conventions the parser normalizes
+    (r"\boxed{5 \text{ cm}}", "5", 1.0),
+    (r"\boxed{x = 5}", "5", 1.0),
+    (r"\boxed{50\%}", "1/2", 1.0),
+    (r"\boxed{\displaystyle \frac{6}{8}}", "0.75", 1.0),
+    # a reference may itself be boxed or LaTeX
+    (r"\boxed{4}", r"\boxed{4}", 1.0),
+    (r"\boxed{0.25}", r"\dfrac{1}{4}", 1.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "reference", "expected"), MATH_CASES)
+def test_math_reward_table(completion, reference, expected):
+    value = MathReward()("math", completion, reference, "")
+    assert type(value) is float and value == expected
+
+
+def test_hostile_answers_score_zero_quickly():
+    reward = MathReward()
+    started = time.perf_counter()
+    assert reward("m", r"\boxed{10^{10^{10}}}", "1", "") == 0.0
+    assert reward("m", r"\boxed{(\frac{3}{2})^{100000}}", "1", "") == 0.0
+    assert reward("m", r"\boxed{100000000!}", "1", "") == 0.0
+    long = "+".join(["1"] * MAX_ANSWER_CHARS)
+    assert reward("m", rf"\boxed{{{long}}}", str(MAX_ANSWER_CHARS // 2 + 1), "") == 0.0
+    assert time.perf_counter() - started < 5.0
+    assert reward("m", r"\boxed{2^{64}}", str(2**64), "") == 1.0  # large but bounded
+
+
+@pytest.mark.parametrize("reference", ["abc", r"\sqrt{2}", "", "1,5", r"\frac{1}{", "x"])
+def test_a_reference_that_is_not_a_rational_is_named(reference):
+    with pytest.raises(ValueError, match="ground_truth is .*expected a rational number") as info:
+        MathReward()("math", r"\boxed{1}", reference, "")
+    assert repr(reference) in str(info.value)
+
+
+def test_wrong_types_are_refused():
+    with pytest.raises(TypeError, match="ground_truth is int; expected a str"):
+        MathReward()("math", r"\boxed{1}", 1, "")
+    with pytest.raises(TypeError, match="answer is int"):
+        parse_rational(3)
+
+
+def test_exact_values_against_fractions():
+    """Random rationals written three ways all parse to the same Fraction."""
+    rng = random.Random(0)
+    for _ in range(40):
+        value = Fraction(rng.randint(-(10**6), 10**6), rng.choice([1, 2, 4, 5, 8, 10, 16, 125]))
+        decimal = f"{float(value):.4f}"  # these denominators divide 10**4: exact
+        assert Fraction(decimal) == value
+        for text in (
+            rf"\frac{{{value.numerator}}}{{{value.denominator}}}",
+            f"{value.numerator}/{value.denominator}",
+            decimal,
+        ):
+            assert parse_rational(text) == value, text
+    assert parse_rational(r"\frac{1}{3}") == Fraction(1, 3) != parse_rational("0.3333333333")
+
+
+def test_last_boxed_reads_nested_groups():
+    assert last_boxed(r"a \boxed{1} b \boxed{\frac{1}{\sqrt{4}}} c") == r"\frac{1}{\sqrt{4}}"
+    assert last_boxed(r"\boxed {  7 }") == "7"
+    assert last_boxed(r"\boxed{a\}b}") == r"a\}b"
+    assert last_boxed(r"\boxed{1} \boxedx{2}") == "1"
+    assert last_boxed("no box") is None
+    assert last_boxed(r"\boxed{ }") is None
+    assert last_boxed(r"\boxed{{1}") is None
+
+
+def test_math_reward_is_safe_on_many_threads():
+    reward = MathReward()
+    cases = MATH_CASES * 4
+    with ThreadPoolExecutor(8) as pool:
+        values = list(pool.map(lambda case: reward("m", case[0], case[1], ""), cases))
+    assert values == [expected for _, _, expected in cases]
+
+
+# ------------------------------------------------------------------ through PromptSource
+
+STEPS = 4  # sampled ids per draw: no EOS, so every draw ends TRUNCATED on its budget (scored)
+
+
+@pytest.fixture(scope="module")
+def greedy_server():
+    """The native server, greedy in bfloat16, and each probe's first STEPS greedy ids."""
+    model, variables = tiny_model(0)
+    served = bfloat16_model(model)
+    refs = greedy_references(served, jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables))
+    server = NativeRolloutServer(
+        Server.from_task(
+            ServeTask(model, variables, Sampling(temperature=0)),
+            slots=2,
+            capacity=16,
+            dtype=jnp.bfloat16,
+            steps_per_call=4,
+        )
+    )
+    yield server, [ref[:STEPS] for ref in refs]
+    server.close()
+
+
+def _tasks(ground_truths: list[str]) -> list[Task]:
+    return [
+        Task(i, {"prompt": np.array(PROBES[i], np.int32), "ground_truth": truth})
+        for i, truth in enumerate(ground_truths)
+    ]
+
+
+def _score_through_source(server, reward, decode, tasks: list[Task]):
+    threads = []
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return reward(*args)
+
+    with PromptSource(server, recording, decode=decode, max_new_tokens=STEPS) as source:
+        futures = [source.submit(t, group=t.id, sample=0, attempt=0) for t in tasks]
+        sessions = [f.result(timeout=120) for f in futures]
+    assert threads and all(name.startswith("prompt-reward") for name in threads)
+    return sessions
+
+
+def test_math_reward_through_prompt_source(greedy_server):
+    server, expected_ids = greedy_server
+
+    def decode(ids) -> str:  # the sampled ids as a sum the reward must evaluate exactly
+        return "The total is \\boxed{" + "+".join(str(int(i)) for i in ids) + "}."
+
+    sums = [sum(ids) for ids in expected_ids[:4]]
+    truths = [
+        rf"\frac{{{2 * sums[0]}}}{{2}}",  # right, spelled as a fraction
+        f"{sums[1]}.0",  # right, as a decimal
+        str(sums[2] + 1),  # wrong
+        "not a number",  # a broken reference: INFRA_ERROR naming it
+    ]
+    sessions = _score_through_source(server, MathReward(), decode, _tasks(truths))
+    for session, ids in zip(sessions, expected_ids, strict=False):
+        assert session.calls[0].sampled_ids.tolist() == ids
+    assert [s.status for s in sessions[:3]] == [Status.TRUNCATED] * 3
+    assert [s.reward for s in sessions[:3]] == [1.0, 1.0, 0.0]
+    assert sessions[3].status is Status.INFRA_ERROR
+    assert "ground_truth is 'not a number'" in sessions[3].detail
