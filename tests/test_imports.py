@@ -44,6 +44,7 @@ FLOORS: dict[str, int] = {
     "dew_pipe.objectives": 1,
     "dew_pipe.sampling": 1,
     "dew_pipe.inference": 1,
+    "dew_pipe.sandbox": 1,  # sandboxes for untrusted programs: launcher, runners, fleet
     "dew_pipe.tasks": 1,  # task definitions: prompts, verifiers (ready jobs are pipelines)
     "dew_pipe.rewards": 1,  # verifiable rewards (MathReward, CodeReward on the sandbox fleet)
     "dew_pipe.flow": 2,

@@ -1,0 +1,244 @@
+"""The sandbox supervisor: one small process between the launcher and a program.
+
+`launch.py` starts it as ``python -I -S _exec.py CONFIG`` (by path, standard library only, so
+it starts in a few milliseconds and no ``preexec_fn`` runs in the threaded parent). It
+
+1. makes itself a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): every process of the program
+   that is orphaned — a daemonized grandchild, a ``setsid`` escapee whose parent exited — is
+   re-parented to it instead of to init, so it can find and kill them all;
+2. asks for SIGHUP when the launcher dies (``PR_SET_PDEATHSIG``). Linux sends that signal
+   when the launching *thread* ends, so on SIGHUP it checks whether its parent process is
+   still the launcher (only a thread ended: re-arm and go on) or not (the launcher died:
+   kill everything and exit);
+3. forks the program: a new session, RLIMIT_CPU, RLIMIT_AS, RLIMIT_CORE 0, RLIMIT_NPROC, an
+   unprivileged uid/gid when one is configured (root is not bound by RLIMIT_NPROC), SIGKILL
+   when the supervisor dies, the working directory, then ``execvpe`` with the given
+   environment only. A failure before the exec is reported as a setup error; a command that
+   cannot be executed exits 127 with a message on stderr, as a shell would;
+4. waits for the program (reaping adopted orphans meanwhile); on SIGTERM from the launcher
+   (deadline, excess output, close) or once the program exits, it kills every process left:
+   all processes of the job's uid at once (a helper with that uid calls ``kill(-1,
+   SIGKILL)``, atomic against concurrent forks), then its children, repeatedly, reaping
+   until it has none — so nothing of the program outlives the supervisor;
+5. writes one JSON line to the status descriptor (exit code or signal, CPU seconds, whether
+   it was stopped, a setup error) and exits.
+
+The supervisor's own stdin/stdout/stderr are the program's pipes; it hands them to the
+program and points its own at /dev/null, so the launcher sees end-of-file exactly when the
+last process holding them is gone.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option, value):
+    if _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl({option}): {os.strerror(error)}")
+
+
+class _Stop(Exception):
+    """Raised by the signal handlers: stop the program and sweep."""
+
+
+def _tasks_of(uid):
+    """Threads of ``uid`` now running: what RLIMIT_NPROC counts for an unchanged uid."""
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                total += int(handle.read().rsplit(b")", 1)[1].split()[17])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _exec(argv, env):
+    """``execve`` with ``argv[0]`` looked up on ``env``'s PATH; returns only on failure.
+
+    Written out rather than ``os.execvpe``, which imports modules: after the uid change the
+    interpreter's own library may be unreadable (a Python under /root).
+    """
+    name = argv[0]
+    if "/" in name:
+        candidates = [name]
+    else:
+        candidates = [f"{folder or '.'}/{name}" for folder in env.get("PATH", "").split(":")]
+    error = FileNotFoundError(2, "No such file or directory")
+    for path in candidates:
+        try:
+            os.execve(path, argv, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            error = exc
+    return error
+
+
+def _child(config, err_w):
+    """In the forked child: set up, then exec the program. Never returns."""
+    try:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            os.setsid()
+            soft, hard = config["cpu"]
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+            resource.setrlimit(resource.RLIMIT_AS, (config["memory"], config["memory"]))
+            uid = config["uid"]
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(config["gid"])
+                os.setuid(uid)
+                processes = config["processes"]
+            else:  # RLIMIT_NPROC counts all of this uid's tasks: allow that many more
+                processes = _tasks_of(os.getuid()) + config["processes"]
+            resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+            supervisor = os.getppid()
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+            if os.getppid() != supervisor:
+                os._exit(126)
+            os.chdir(config["cwd"])
+        except BaseException as exc:  # noqa: BLE001 - reported to the supervisor
+            os.write(err_w, f"{type(exc).__name__}: {exc}".encode())
+            os._exit(126)
+        argv = config["argv"]
+        error = _exec(argv, config["env"])
+        os.write(2, f"sandbox: cannot execute {argv[0]!r}: {error.strerror}\n".encode())
+    finally:
+        os._exit(127)  # whatever happened, the child never returns into the supervisor
+
+
+def _children():
+    """Pids whose parent is this process."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as handle:
+            return [int(pid) for pid in handle.read().split()]
+    except OSError:
+        pass
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as handle:
+                    if int(handle.read().rsplit(b")", 1)[1].split()[1]) == me:
+                        found.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _kill_uid(uid):
+    """SIGKILL every process of ``uid`` at once, from a helper that has that uid."""
+    helper = os.fork()
+    if helper == 0:
+        try:
+            os.setgroups([])
+            os.setuid(uid)
+            os.kill(-1, signal.SIGKILL)  # everything this uid may signal: the job's processes
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        os._exit(0)
+    os.waitpid(helper, 0)
+
+
+def _sweep(uid):
+    """Kill and reap every descendant; returns when this process has no children left."""
+    if uid is not None:
+        _kill_uid(uid)
+    while True:
+        children = _children()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            pid, _ = os.waitpid(-1, 0 if children else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:  # children exist that /proc did not list yet
+            os.sched_yield()
+
+
+def main(argv):
+    config = json.loads(argv[1])
+    status_fd = config["status_fd"]
+    parent = config["parent"]
+    os.set_inheritable(status_fd, False)
+    report = {"exit": None, "signal": None, "cpu": 0.0, "stopped": False, "error": None}
+
+    def on_term(signum, frame):
+        raise _Stop
+
+    def on_hup(signum, frame):
+        if os.getppid() == parent:  # only the launching thread ended; the launcher lives
+            _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
+            if os.getppid() == parent:
+                return
+        raise _Stop
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_hup)
+    try:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
+        if os.getppid() != parent:
+            raise _Stop
+        err_r, err_w = os.pipe()
+        # A stop request must not reach the child before it drops these handlers.
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
+        child = os.fork()
+        if child == 0:
+            os.close(err_r)
+            _child(config, err_w)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGHUP])
+        os.close(err_w)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        failure = b""
+        while chunk := os.read(err_r, 4096):  # empty at the exec (close-on-exec) or exit
+            failure += chunk
+        os.close(err_r)
+        if failure:
+            report["error"] = failure.decode(errors="replace")
+        while True:
+            pid, status, usage = os.wait4(-1, 0)
+            if pid == child:
+                report["cpu"] = usage.ru_utime + usage.ru_stime
+                if os.WIFSIGNALED(status):
+                    report["signal"] = os.WTERMSIG(status)
+                else:
+                    report["exit"] = os.waitstatus_to_exitcode(status)
+                break
+    except _Stop:
+        report["stopped"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher
+        report["error"] = f"supervisor: {type(exc).__name__}: {exc}"
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
+        _sweep(config["uid"])
+    os.write(status_fd, (json.dumps(report) + "\n").encode())
+    os.close(status_fd)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
