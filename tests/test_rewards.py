@@ -9,6 +9,7 @@ on the source's scoring pool while the server generates.
 from __future__ import annotations
 
 import doctest
+import json
 import random
 import threading
 import time
@@ -23,12 +24,22 @@ from serving_helpers import PROBES, bfloat16_model, greedy_references, tiny_mode
 
 from dew_pipe.inference import NativeRolloutServer, PromptSource, Server, ServeTask
 from dew_pipe.objectives.rl.sessions import Status, Task
-from dew_pipe.rewards import MathReward, last_boxed, math_answers, parse_rational
+from dew_pipe.rewards import (
+    CodeReward,
+    MathReward,
+    code_tests,
+    last_boxed,
+    last_python_block,
+    math_answers,
+    parse_rational,
+)
+from dew_pipe.rewards.code_tests import parse_cases, same_output
 from dew_pipe.rewards.math_answers import MAX_ANSWER_CHARS
 from dew_pipe.sampling import Sampling
+from dew_pipe.sandbox import Outcome, Program, Verdict
 
 
-@pytest.mark.parametrize("module", [math_answers], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [math_answers, code_tests], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -232,3 +243,207 @@ def test_math_reward_through_prompt_source(greedy_server):
     assert [s.reward for s in sessions[:3]] == [1.0, 1.0, 0.0]
     assert sessions[3].status is Status.INFRA_ERROR
     assert "ground_truth is 'not a number'" in sessions[3].detail
+
+
+# ------------------------------------------------------------------ CodeReward
+
+
+def _fence(code: str, tag: str = "python") -> str:
+    return f"```{tag}\n{code}\n```"
+
+
+DOUBLE = json.dumps(
+    [{"stdin": s, "stdout": o} for s, o in [("2", "4"), ("5", "10\n"), ("-3", "-6")]]
+)
+RIGHT = "print(int(input()) * 2)"
+PLUS_TWO = "print(int(input()) + 2)"  # right on the first case only (2 + 2 == 2 * 2)
+
+CODE_CASES = [
+    ("right", "Here:\n" + _fence(RIGHT), 1.0),
+    ("one of three", _fence(PLUS_TWO), 1 / 3),
+    ("several blocks, the last is right", _fence(PLUS_TWO) + "\nfixed:\n" + _fence(RIGHT), 1.0),
+    ("several blocks, the last is wrong", _fence(RIGHT) + "\n" + _fence(PLUS_TWO, "py"), 1 / 3),
+    ("a later untagged block is not code", _fence(RIGHT) + "\n" + _fence(PLUS_TWO, ""), 1.0),
+    ("tag spelled python3, any case", _fence(RIGHT, "Python3"), 1.0),
+    ("no block", "print(int(input()) * 2)", 0.0),
+    ("untagged block only", _fence(RIGHT, ""), 0.0),
+    ("another language", _fence(RIGHT, "js"), 0.0),
+    ("cut off inside the block", "```python\n" + RIGHT, 0.0),
+    ("indented block", "1. the code:\n   ```python\n   " + RIGHT + "\n   ```\n", 1.0),
+    (
+        "trailing spaces and blank lines are ignored",
+        _fence("print(str(int(input()) * 2) + '  \\t')\nprint()\nprint()"),
+        1.0,
+    ),
+    ("leading spaces matter", _fence("print(' ' + str(int(input()) * 2))"), 0.0),
+    ("a blank line inside matters", _fence("print()\n" + RIGHT), 0.0),
+    ("right output but exit 1", _fence(RIGHT + "\nraise SystemExit(1)"), 0.0),
+    ("raises on one case", _fence("n = int(input())\nassert n > 0\nprint(n * 2)"), 2 / 3),
+    (
+        "hangs on one case",
+        _fence("import time\nn = int(input())\nif n < 0:\n    time.sleep(60)\nprint(n * 2)"),
+        2 / 3,
+    ),
+    (
+        "floods on one case",
+        _fence("n = int(input())\nif n == 5:\n    print('x' * 10**7)\nprint(n * 2)"),
+        2 / 3,
+    ),
+    (
+        "segfaults on one case",
+        _fence(
+            "import ctypes\nn = int(input())\nif n == 5:\n    ctypes.string_at(0)\nprint(n * 2)"
+        ),
+        2 / 3,
+    ),
+    ("syntax error", _fence("print(int(input()) * 2"), 0.0),
+]
+
+LIMITS = dict(wall_seconds=1.5, cpu_seconds=1.0, output_bytes=64 * 1024, memory_bytes=256 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from dew_pipe.sandbox import ProcessRunner, SandboxFleet, SandboxLimits
+
+    with SandboxFleet(ProcessRunner(), SandboxLimits(**LIMITS), workers=4) as fleet:
+        yield fleet
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"), [c[1:] for c in CODE_CASES], ids=[c[0] for c in CODE_CASES]
+)
+def test_code_reward_table(fleet, completion, expected):
+    value = CodeReward(fleet)("code", completion, DOUBLE, "")
+    assert type(value) is float and value == pytest.approx(expected, abs=1e-12)
+    strict = CodeReward(fleet, all_or_nothing=True)("code", completion, DOUBLE, "")
+    assert strict == (1.0 if expected == 1.0 else 0.0)
+
+
+def test_each_case_ends_as_its_verdict(fleet):
+    code = last_python_block(dict((c[0], c[1]) for c in CODE_CASES)["hangs on one case"])
+    results = CodeReward(fleet).check(code, parse_cases(DOUBLE))
+    verdicts = {r.case.stdin: (r.outcome.verdict, r.passed) for r in results}
+    assert verdicts == {
+        "2": (Verdict.COMPLETED, True),
+        "5": (Verdict.COMPLETED, True),
+        "-3": (Verdict.TIMEOUT, False),
+    }
+    flood = last_python_block(dict((c[0], c[1]) for c in CODE_CASES)["floods on one case"])
+    results = CodeReward(fleet).check(flood, parse_cases(DOUBLE))
+    assert {r.case.stdin: r.outcome.verdict for r in results}["5"] is Verdict.OUTPUT_LIMIT
+    crash = last_python_block(dict((c[0], c[1]) for c in CODE_CASES)["segfaults on one case"])
+    results = CodeReward(fleet).check(crash, parse_cases(DOUBLE))
+    assert {r.case.stdin: r.outcome.verdict for r in results}["5"] is Verdict.CRASHED
+
+
+BAD_CASES = [
+    ("not json", r"ground_truth is not JSON \(.*\): 'not json'; expected a JSON list"),
+    ("{}", r"ground_truth is \{\}; expected a JSON list of .* at least one"),
+    ("[]", r"ground_truth is \[\]; expected .* at least one"),
+    ("[5]", r"ground_truth\[0\] is 5; expected an object"),
+    ('[{"stdin": "1", "stdout": "2"}, {"stdin": "1"}]', r"ground_truth\[1\] has no 'stdout'"),
+    (
+        '[{"stdin": "1", "stdout": "2", "input": "x"}]',
+        r"ground_truth\[0\] has unknown field 'input'",
+    ),
+    ('[{"stdin": 1, "stdout": "2"}]', r"ground_truth\[0\]\['stdin'\] is 1; expected a string"),
+]
+
+
+@pytest.mark.parametrize(("ground_truth", "message"), BAD_CASES)
+def test_a_bad_ground_truth_is_named(ground_truth, message):
+    fleet = ScriptedFleet(lambda program: _outcome(b""))
+    with pytest.raises(ValueError, match=message):
+        CodeReward(fleet)("code", _fence(RIGHT), ground_truth, "")
+    with pytest.raises(ValueError, match=message):  # checked before looking for a block
+        CodeReward(fleet)("code", "no block", ground_truth, "")
+    assert fleet.programs == []
+
+
+def test_constructor_refuses_what_is_not_a_fleet_or_flag():
+    with pytest.raises(TypeError, match="fleet is .*expected a SandboxFleet"):
+        CodeReward(object())
+    with pytest.raises(TypeError, match="all_or_nothing is 1; expected a bool"):
+        CodeReward(ScriptedFleet(None), all_or_nothing=1)
+    with pytest.raises(TypeError, match="python is ''"):
+        CodeReward(ScriptedFleet(None), python="")
+    with pytest.raises(TypeError, match="ground_truth is int"):
+        CodeReward(ScriptedFleet(None))("code", "", 3, "")
+
+
+# A fleet-shaped seam: programs run on one scripted worker thread, in submission order.
+
+
+def _outcome(stdout: bytes, verdict=None) -> Outcome:
+    verdict = Verdict.COMPLETED if verdict is None else verdict
+    return Outcome(verdict, 0 if verdict is Verdict.COMPLETED else 1, stdout, b"", 0.0)
+
+
+class ScriptedFleet:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.programs: list[Program] = []
+        self.pool = ThreadPoolExecutor(1)
+
+    def submit(self, program):
+        self.programs.append(program)
+        return self.pool.submit(self.answer, program)
+
+
+def test_what_each_case_submits_and_all_or_nothing_stopping_early():
+    release = threading.Event()
+    started: list[bytes] = []
+
+    def answer(program):  # one worker: case 0 passes, case 1 fails, the rest wait
+        started.append(program.stdin)
+        if program.stdin not in (b"0", b"1"):
+            release.wait(10)
+        return _outcome(b"0\n" if program.stdin == b"0" else b"wrong\n")
+
+    fleet = ScriptedFleet(answer)
+    reward = CodeReward(fleet, all_or_nothing=True, python="python3.12")
+    cases = json.dumps([{"stdin": str(i), "stdout": str(2 * i)} for i in range(6)])
+    try:
+        assert reward("code", _fence(RIGHT), cases, "") == 0.0
+    finally:
+        release.set()
+        fleet.pool.shutdown(wait=True)
+    assert [p.stdin for p in fleet.programs] == [str(i).encode() for i in range(6)]
+    program = fleet.programs[0]
+    assert dict(program.files) == {"main.py": RIGHT + "\n"}
+    assert program.argv == ("python3.12", "main.py")
+    # After case 1 failed, the cases still queued were cancelled (case 2 may have started).
+    assert started[:2] == [b"0", b"1"] and len(started) <= 3
+
+    fleet = ScriptedFleet(lambda program: _outcome(b"0" if program.stdin == b"0" else b"x"))
+    assert CodeReward(fleet)("code", _fence(RIGHT), cases, "") == 1 / 6
+    assert len(fleet.programs) == 6
+
+
+def test_line_rules():
+    assert same_output("4\r\n5\r\n", "4\n5")
+    assert same_output("", "\n\n")
+    assert not same_output("4\n5", "4 5")
+    assert not same_output("A", "a")
+    assert last_python_block("```python\n```") == ""
+
+
+def test_code_reward_through_prompt_source(greedy_server, fleet):
+    server, expected_ids = greedy_server
+
+    def decode(ids) -> str:  # a program printing the sum of the sampled ids
+        return "```python\nprint(" + " + ".join(str(int(i)) for i in ids) + ")\n```"
+
+    sums = [sum(ids) for ids in expected_ids[:4]]
+    truths = [
+        json.dumps([{"stdin": "", "stdout": f"{sums[0]}\n"}]),
+        json.dumps([{"stdin": "", "stdout": str(sums[1])}, {"stdin": "x", "stdout": "0"}]),
+        json.dumps([{"stdin": "", "stdout": str(sums[2] + 1)}]),
+        "[{}]",
+    ]
+    sessions = _score_through_source(server, CodeReward(fleet), decode, _tasks(truths))
+    assert [s.status for s in sessions[:3]] == [Status.TRUNCATED] * 3
+    assert [s.reward for s in sessions[:3]] == [1.0, 0.5, 0.0]
+    assert sessions[3].status is Status.INFRA_ERROR
+    assert "ground_truth[0] has no 'stdin'" in sessions[3].detail

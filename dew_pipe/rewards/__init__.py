@@ -22,6 +22,8 @@ _LAZY: dict[str, str] = {
     "MathReward": "dew_pipe.rewards.math_answers",
     "last_boxed": "dew_pipe.rewards.math_answers",
     "parse_rational": "dew_pipe.rewards.math_answers",
+    "CodeReward": "dew_pipe.rewards.code_tests",
+    "last_python_block": "dew_pipe.rewards.code_tests",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
