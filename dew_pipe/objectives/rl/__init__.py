@@ -12,6 +12,13 @@ group, ``packing`` (:func:`pack`) lays sessions into fixed ``[rows, width]`` row
 Arrow rows (the schemas are in :mod:`dew_pipe.rollout_batches`), and ``task_rows`` turns a
 training batch into tasks.
 
+Tool episodes: ``episodes`` defines the Environment protocol and the records of one
+multi-turn episode (``EpisodeId``, ``Observation`` and ``EpisodeStatus``, ``Action``,
+``Transition``, ``Episode``, ``EpisodeFailure``, ``EpisodeCancelled``); ``episode_sessions``
+projects episodes onto sessions (``session_of``, ``pack_episodes``); ``episode_rollout``
+holds ``EpisodeRollout``, the trainer's rollout hook that collects and packs them (it calls
+the policy it is given, so it needs nothing from :mod:`dew_pipe.inference`).
+
 Some names live on higher floors and are only named here, so the spec's import paths work:
 ``SampledRollout`` and ``PromptSource`` (they sample, so they live in
 :mod:`dew_pipe.inference`) and ``RolloutScheduler`` (composed of stages, in
@@ -53,6 +60,19 @@ _LAZY: dict[str, str] = {
     "prompt_tasks": "dew_pipe.objectives.rl.task_rows",
     "RolloutScheduler": "dew_pipe.stages.scheduler",
     "SchedulerRecord": "dew_pipe.stages.messages",
+    # tool episodes: the Environment protocol and its records, projection, the rollout hook
+    "Action": "dew_pipe.objectives.rl.episodes",
+    "Environment": "dew_pipe.objectives.rl.episodes",
+    "Episode": "dew_pipe.objectives.rl.episodes",
+    "EpisodeCancelled": "dew_pipe.objectives.rl.episodes",
+    "EpisodeFailure": "dew_pipe.objectives.rl.episodes",
+    "EpisodeId": "dew_pipe.objectives.rl.episodes",
+    "EpisodeStatus": "dew_pipe.objectives.rl.episodes",
+    "Observation": "dew_pipe.objectives.rl.episodes",
+    "Transition": "dew_pipe.objectives.rl.episodes",
+    "session_of": "dew_pipe.objectives.rl.episode_sessions",
+    "pack_episodes": "dew_pipe.objectives.rl.episode_sessions",
+    "EpisodeRollout": "dew_pipe.objectives.rl.episode_rollout",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
