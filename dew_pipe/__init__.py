@@ -30,6 +30,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "LMObjective": ("dew_pipe.objectives.lm", "LMObjective"),
     "Sampling": ("dew_pipe.sampling", "Sampling"),
     "models": ("dew_pipe.models", None),
+    # generative objectives: what they read, and the rectified-flow process presets
+    "Field": ("dew_pipe.inputs", "Field"),
+    "InputSpec": ("dew_pipe.inputs", "InputSpec"),
+    "presets": ("dew_pipe.presets", None),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -3,6 +3,7 @@
 ``build(name, **config)`` makes a model by registered name; ``load_pretrained(directory)``
 reads a transformers checkpoint (Llama, Qwen3) into a `Pretrained`, whose ``save`` and
 ``export`` write the same layout back. The Hugging Face half is imported only when used.
+``SimpleDiT`` (``dit.py``) is the small diffusion transformer rectified-flow objectives train.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "CausalTransformer",
     "Pretrained",
     "RopeScaling",
+    "SimpleDiT",
     "TransformerConfig",
     "build",
     "load_pretrained",
@@ -86,4 +88,8 @@ def __getattr__(name: str) -> Any:
         from dew_pipe.models import hf
 
         return getattr(hf, name)
+    if name == "SimpleDiT":  # the diffusion transformer of Flow-GRPO (models/dit.py)
+        from dew_pipe.models.dit import SimpleDiT
+
+        return SimpleDiT
     raise AttributeError(f"module 'dew_pipe.models' has no attribute {name!r}")

@@ -10,6 +10,7 @@ from dew_pipe._lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "LMObjective": "dew_pipe.objectives.lm",
+    "DiffusionObjective": "dew_pipe.objectives.diffusion",
     "Objective": "dew_pipe.training.objective",
 }
 
