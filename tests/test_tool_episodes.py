@@ -35,6 +35,7 @@ import pytest
 from dew_pipe import Dataset, Sampling, Trainer
 from dew_pipe.inference import Generation, TextGeneration
 from dew_pipe.objectives.rl import (
+    Action,
     EpisodeCancelled,
     EpisodeFailure,
     EpisodeRollout,
@@ -146,6 +147,8 @@ class SquareEnvironment:
                 raise cf.CancelledError()
             if fault == "asyncio-cancel":
                 raise asyncio.CancelledError()
+            if fault == "interrupt":
+                raise KeyboardInterrupt
 
     def __enter__(self) -> SquareEnvironment:
         self.entered = True
@@ -183,7 +186,8 @@ class Harness:
             append-only).
         fault: a failure for the episodes of sample ``at``: "reset", "step" (raise),
             "error"/"cancelled" (return that status), "futures-cancel"/"asyncio-cancel"
-            (raise that cancellation), "release" (``__exit__`` raises).
+            (raise that cancellation), "interrupt" (KeyboardInterrupt in ``step``),
+            "release" (``__exit__`` raises).
     """
 
     def __init__(self, append_only: bool = True, fault: str | None = None, at: int = 0) -> None:
@@ -627,6 +631,93 @@ def test_constructor_refuses_bad_settings():
         episode_rollout(lambda *a: None, harness)
     with pytest.raises(ValueError, match="task_id"):
         episode_rollout(policy, harness)(STATE, {"prompt": np.zeros((1, 2))}, jax.random.key(0))
+
+
+def test_interrupts_release_the_environments_and_propagate_unchanged():
+    harness = Harness(fault="interrupt", at=1)
+    with pytest.raises(KeyboardInterrupt):
+        episode_rollout(ScriptedPolicy(), harness)(STATE, tasks(2), jax.random.key(0))
+    assert all(
+        e.exited and isinstance(e.exit_error, KeyboardInterrupt) for e in harness.environments
+    )
+
+
+def test_a_policy_without_batch_is_called_once_per_running_slot():
+    class OneByOne:
+        def __init__(self):
+            self.inner, self.keys = ScriptedPolicy(), []
+
+        def bind(self, state):
+            return self
+
+        def __call__(self, context, budget, key, sampling):
+            self.keys.append(jax.random.key_data(key).tolist())
+            return self.inner.batch([context], budget, key, sampling)[0]
+
+    policy = OneByOne()
+    one = episode_rollout(policy, Harness()).collect(STATE, tasks(2), jax.random.key(0))
+    many = episode_rollout(ScriptedPolicy(), Harness()).collect(STATE, tasks(2), jax.random.key(0))
+    assert one == many
+    assert len(policy.keys) == 8 and len({tuple(k) for k in policy.keys}) == 8  # no inert rows
+
+
+def test_actions_and_observations_are_validated():
+    good = dict(context=[USER, Q0], tokens=[CALL, EOS], log_probs=[-0.1, -0.2])
+    good.update(behavior_log_probs=[-0.3, -0.4], stopped=True, policy_step=0)
+    Action(**good).check_eos(SAMPLING.eos_ids)
+    for change, error, message in [
+        ({"context": []}, ValueError, "at least one id"),
+        ({"tokens": [True, False]}, TypeError, "integer token ids"),
+        ({"tokens": [-1, EOS]}, ValueError, "ids in"),
+        ({"tokens": []}, ValueError, "log-probabilities|one entry per sampled id"),
+        ({"log_probs": [-0.1]}, ValueError, "one entry per sampled id"),
+        ({"behavior_log_probs": [-0.1, float("nan")]}, ValueError, "finite"),
+        ({"stopped": 1}, TypeError, "True or False"),
+        ({"policy_step": -1}, ValueError, ">= 0"),
+    ]:
+        with pytest.raises(error, match=message):
+            Action(**{**good, **change})
+    with pytest.raises(ValueError, match="follow EOS"):
+        Action(**{**good, "tokens": [EOS, CALL]}).check_eos([EOS])
+    with pytest.raises(ValueError, match="not an EOS id"):
+        Action(**{**good, "tokens": [CALL, CALL]}).check_eos([EOS])
+    with pytest.raises(ValueError, match="stopped is False"):
+        Action(**{**good, "stopped": False}).check_eos([EOS])
+    with pytest.raises(ValueError, match="RUNNING observation must carry"):
+        Observation()
+    with pytest.raises(ValueError, match="expected one of"):
+        Observation([USER], status="finished")
+    assert Observation(status="COMPLETED").context is None
+
+
+def test_a_terminal_reset_is_refused():
+    class Done(Harness):
+        def __call__(self, episode_id):
+            env = super().__call__(episode_id)
+            env.reset = lambda: Observation(status="completed")
+            return env
+
+    with pytest.raises(EpisodeFailure, match="expected RUNNING") as caught:
+        episode_rollout(ScriptedPolicy(), Done())(STATE, tasks(2), jax.random.key(0))
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
+def test_a_slots_draws_do_not_depend_on_when_other_episodes_end(tool_policy):
+    _, variables, policy = tool_policy
+
+    class Early(Harness):
+        def __call__(self, episode_id):
+            env = super().__call__(episode_id)
+            if episode_id.sample == 0:
+                env.step = lambda action: Observation(status="completed", detail="early")
+            return env
+
+    state = types.SimpleNamespace(step=np.int32(0), updates=np.int32(0), params=variables)
+    usual = episode_rollout(policy, Harness()).collect(state, tasks(2, 3), jax.random.key(4))
+    early = episode_rollout(policy, Early()).collect(state, tasks(2, 3), jax.random.key(4))
+    ended = [i for i in (0, 4) if len(usual[i].actions) == 2]
+    assert ended and all(len(early[i].actions) == 1 for i in ended)
+    assert usual[1:4] == early[1:4] and usual[5:] == early[5:]  # the other slots: same draws
 
 
 def test_size_check_against_the_model(tool_policy):

@@ -277,14 +277,18 @@ class Action:
             ValueError: Action.stopped is True but the last sampled id 4 is not an EOS id (1,)
         """
         eos = tuple(int(i) for i in eos_ids)
-        self._call.check_eos(eos if eos else -1)  # type: ignore[attr-defined]
-        ends_on_eos = int(self.tokens[-1]) in eos
-        if self.stopped and not ends_on_eos:
+        hits = np.flatnonzero(np.isin(self.tokens, eos))
+        if hits.size and hits[0] != self.tokens.size - 1:
+            raise ValueError(
+                f"Action.tokens: {self.tokens.size - 1 - int(hits[0])} id(s) follow EOS "
+                f"{int(self.tokens[hits[0]])} at index {int(hits[0])}; a turn ends at EOS"
+            )
+        if self.stopped and not hits.size:
             raise ValueError(
                 f"Action.stopped is True but the last sampled id {int(self.tokens[-1])} is "
                 f"not an EOS id {eos}"
             )
-        if ends_on_eos and not self.stopped:
+        if hits.size and not self.stopped:
             raise ValueError(
                 f"Action.stopped is False but the draw ends on EOS {int(self.tokens[-1])}"
             )
