@@ -20,9 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_sampled_rollout
 from serving_helpers import PROBES, bfloat16_model, greedy_references, tiny_model
+from test_sampled_rollout import GREEDY, prompt_batch, state_at
 
-from dew_pipe.inference import NativeRolloutServer, PromptSource, Server, ServeTask
+from dew_pipe.inference import (
+    NativeRolloutServer,
+    PromptSource,
+    SampledRollout,
+    Server,
+    ServeTask,
+)
+from dew_pipe.objectives.rl import GRPOObjective
 from dew_pipe.objectives.rl.sessions import Status, Task
 from dew_pipe.rewards import (
     CodeReward,
@@ -223,6 +232,7 @@ def _score_through_source(server, reward, decode, tasks: list[Task]):
     return sessions
 
 
+@pytest.mark.slow  # compiles the server's (or generate's) steps
 def test_math_reward_through_prompt_source(greedy_server):
     server, expected_ids = greedy_server
 
@@ -429,6 +439,7 @@ def test_line_rules():
     assert last_python_block("```python\n```") == ""
 
 
+@pytest.mark.slow  # compiles the server's (or generate's) steps
 def test_code_reward_through_prompt_source(greedy_server, fleet):
     server, expected_ids = greedy_server
 
@@ -447,3 +458,39 @@ def test_code_reward_through_prompt_source(greedy_server, fleet):
     assert [s.reward for s in sessions[:3]] == [1.0, 0.5, 0.0]
     assert sessions[3].status is Status.INFRA_ERROR
     assert "ground_truth[0] has no 'stdin'" in sessions[3].detail
+
+
+# ------------------------------------------------------------------ through SampledRollout
+
+# The decoder whose greedy continuation is known by construction (test_sampled_rollout.py).
+known = test_sampled_rollout.known
+
+
+def _sampled_rewards(known, reward, decode, ground_truths):
+    """Rewards of a greedy SampledRollout on the known decoder: prompt [1, 2] continues
+    3, 4, 5, 6 (budget), prompt [3, 4, 5] continues 6 then EOS; two samples each."""
+    rollout = SampledRollout(
+        GRPOObjective(known.model, seq_len=6), reward, 2, 4, GREEDY, decode=decode
+    )
+    batch = prompt_batch([[1, 2], [3, 4, 5]], 3, ground_truth=ground_truths)
+    rollout(state_at(known.variables, 0), batch, jax.random.key(0))
+    return [s.reward for s in rollout.last_sessions]
+
+
+@pytest.mark.slow  # compiles the server's (or generate's) steps
+def test_math_reward_through_sampled_rollout(known):
+    def decode(ids) -> str:
+        return r"\boxed{" + "+".join(str(int(i)) for i in ids) + "}"
+
+    rewards = _sampled_rewards(known, MathReward(), decode, [r"\frac{36}{2}", "6.5"])
+    assert rewards == [1.0, 1.0, 0.0, 0.0]  # 3+4+5+6 = 18 = 36/2; 6 is not 6.5
+
+
+@pytest.mark.slow  # compiles the server's (or generate's) steps
+def test_code_reward_through_sampled_rollout(known, fleet):
+    def decode(ids) -> str:
+        return "```python\nprint(" + " * ".join(str(int(i)) for i in ids) + ")\n```"
+
+    truths = [json.dumps([{"stdin": "", "stdout": "360"}]), '[{"stdin": "", "stdout": "7"}]']
+    rewards = _sampled_rewards(known, CodeReward(fleet), decode, truths)
+    assert rewards == [1.0, 1.0, 0.0, 0.0]  # 3*4*5*6 = 360; 6 is not 7
