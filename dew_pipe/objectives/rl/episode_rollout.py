@@ -154,7 +154,6 @@ class EpisodeRollout:
         self.max_turns = check_int("max_turns", max_turns, minimum=1)
         self.groups = check_int("groups", groups, minimum=1)
         self.sampling = sampling
-        self.journal = None
         self.record = record
         self._check_model()
         self.last_episodes: list[Episode] = []
