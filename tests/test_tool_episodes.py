@@ -759,3 +759,26 @@ def test_trainer_updates_match_with_and_without_a_checkpoint_restore(tool_policy
     a, b = (np.asarray(s.params["params"]["table"]) for s in (straight, resumed))
     assert a.tobytes() == b.tobytes()
     assert not np.array_equal(a, start)
+
+
+def test_a_failed_collection_stops_fit_before_its_update():
+    logged = []
+
+    def verifier(episode):
+        if episode.id.step == 1:
+            raise RuntimeError("the grader is down")
+        return verify(episode)
+
+    rollout = episode_rollout(ScriptedPolicy(), Harness(), verifier=verifier)
+    trainer = Trainer(
+        GRPOObjective(ToolPolicy(), seq_len=PROMPT + BUDGET - 1),
+        optax.sgd(0.5),
+        key=jax.random.key(5),
+        rollout=rollout,
+        log=logged.append,
+        progress=False,
+    )
+    data = Dataset(train=lambda partition: itertools.repeat(tasks(2, 1)), val=None, batch=2)
+    with pytest.raises(EpisodeFailure, match="grader is down"):
+        trainer.fit(data, steps=3, log_every=1)
+    assert [r["step"] for r in logged] == [1] and logged[0]["updates"] == 1
