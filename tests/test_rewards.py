@@ -494,3 +494,31 @@ def test_code_reward_through_sampled_rollout(known, fleet):
     truths = [json.dumps([{"stdin": "", "stdout": "360"}]), '[{"stdin": "", "stdout": "7"}]']
     rewards = _sampled_rewards(known, CodeReward(fleet), decode, truths)
     assert rewards == [1.0, 1.0, 0.0, 0.0]  # 3*4*5*6 = 360; 6 is not 7
+
+
+# ------------------------------------------------------------------ on the isolating runner
+
+
+WRITE = "open('note.txt', 'w').write('x')\n"  # beside main.py, in the job directory
+
+
+def test_code_reward_on_bubblewrap(fleet):
+    """The runner the RLVR pipeline uses: right code passes; code that needs the network or
+    writes beside itself fails there, while it passes under ProcessRunner."""
+    import socket
+
+    from dew_pipe.sandbox import BubblewrapRunner, SandboxError, SandboxFleet, SandboxLimits
+
+    try:
+        runner = BubblewrapRunner()
+    except SandboxError as error:
+        pytest.skip(str(error))
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as server:  # the host's loopback
+        port = server.getsockname()[1]
+        network = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2).close()\n"
+        completions = [_fence(RIGHT), _fence(network + RIGHT), _fence(WRITE + RIGHT)]
+        with SandboxFleet(runner, SandboxLimits(**LIMITS), workers=2) as isolated:
+            isolated_rewards = [CodeReward(isolated)("c", c, DOUBLE, "") for c in completions]
+        process_rewards = [CodeReward(fleet)("c", c, DOUBLE, "") for c in completions]
+    assert isolated_rewards == [1.0, 0.0, 0.0]
+    assert process_rewards == [1.0, 1.0, 1.0]

@@ -27,9 +27,10 @@ The rules, each decided once here:
 Each case is one `Program`: the block written to ``main.py`` in a fresh directory and run
 as ``[python, "main.py"]`` with the case's stdin, submitted to the fleet all at once so the
 cases of one completion run in parallel on its workers (and several completions, scored
-on `PromptSource`'s pool, share them). The fleet's runner decides the isolation: use one
-that isolates (bubblewrap, a container) for generated code; `ProcessRunner` keeps your
-user, filesystem and network.
+on `PromptSource`'s pool, share them). The fleet's runner decides the isolation: give
+generated code one that isolates (`dew_pipe.sandbox.BubblewrapRunner`: no network, a
+read-only job directory; or `ContainerRunner`); `ProcessRunner` keeps the machine's
+filesystem and network within reach (tests/test_rewards.py shows the difference).
 """
 
 from __future__ import annotations
