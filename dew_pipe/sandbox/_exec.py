@@ -20,8 +20,8 @@ it starts in a few milliseconds and no ``preexec_fn`` runs in the threaded paren
    all processes of the job's uid at once (a helper with that uid calls ``kill(-1,
    SIGKILL)``, atomic against concurrent forks), then its children, repeatedly, reaping
    until it has none — so nothing of the program outlives the supervisor;
-5. writes one JSON line to the status descriptor (exit code or signal, CPU seconds, whether
-   it was stopped, a setup error) and exits.
+5. writes a last JSON line to the status descriptor (exit code or signal, CPU seconds,
+   whether it was stopped, a setup error; the first line named the program's pid) and exits.
 
 The supervisor's own stdin/stdout/stderr are the program's pipes; it hands them to the
 program and points its own at /dev/null, so the launcher sees end-of-file exactly when the
@@ -208,6 +208,7 @@ def main(argv):
         if child == 0:
             os.close(err_r)
             _child(config, err_w)
+        os.write(status_fd, (json.dumps({"started": child}) + "\n").encode())
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGHUP])
         os.close(err_w)
         null = os.open(os.devnull, os.O_RDWR)

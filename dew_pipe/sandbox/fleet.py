@@ -52,7 +52,7 @@ class SandboxFleet:
         limits = SandboxLimits() if limits is None else limits
         if not isinstance(limits, SandboxLimits):
             raise TypeError(f"limits is {limits!r}; expected a SandboxLimits")
-        workers = os.cpu_count() or 1 if workers is None else workers
+        workers = (os.cpu_count() or 1) if workers is None else workers
         self.runner = runner
         self.limits = limits
         self.workers = check_int("workers", workers, minimum=1)

@@ -40,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -56,7 +55,15 @@ from pathlib import Path
 
 from dew_pipe.sandbox.program import SandboxError, SandboxLimits
 
-__all__ = ["JOB_UIDS", "Finished", "Launched", "lease_uid", "minimal_environment", "run"]
+__all__ = [
+    "JOB_UIDS",
+    "Finished",
+    "Launched",
+    "give_to",
+    "lease_uid",
+    "minimal_environment",
+    "run",
+]
 
 #: Uids a root launcher runs programs under, one per running program (Debian: "reserved").
 JOB_UIDS = range(65000, 65534)
@@ -194,6 +201,7 @@ class Launched:
             raise SandboxError(f"cannot start the sandbox supervisor: {exc}") from exc
         finally:
             os.close(status_w)
+        os.set_blocking(status_r, False)  # read as it comes (`run`), drained in `wait`
         self._status_fd = status_r
         self._status = b""
         self._report: dict | None = None
@@ -251,9 +259,16 @@ class Launched:
         return self._report
 
     def _kill(self) -> None:
-        """Last resort: the supervisor did not sweep in time."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+        """Last resort (the supervisor did not sweep in time): SIGKILL it and the program's
+        process group; the program's own parent-death signal is SIGKILL too."""
+        with contextlib.suppress(OSError):
+            self.read_status()
+        groups = [self.pid]
+        if self._status.startswith(b'{"started": '):
+            groups.append(json.loads(self._status.split(b"\n", 1)[0])["started"])
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
         self._process.wait()
 
     def __enter__(self) -> Launched:
@@ -345,10 +360,9 @@ def run(
                     if total > limits.output_bytes and not stopped:
                         limited = stopped = True
                         give_up = _stop(launched, on_stop)
-    except OSError as exc:
-        if exc.errno not in (errno.EPIPE, errno.EBADF):
-            launched._kill()
-            raise
+    except BaseException:  # an interrupt or a bug here: still leave nothing running
+        launched._kill()
+        raise
     finally:
         selector.close()
     report = launched.wait()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -79,7 +80,13 @@ def _relative(name: object) -> str:
     if not isinstance(name, str):
         raise TypeError(f"Program file name {name!r} is a {type(name).__name__}; expected a str")
     path = PurePosixPath(name)
-    if not name or path.is_absolute() or ".." in path.parts or str(path) in ("", "."):
+    if (
+        not name
+        or "\0" in name
+        or path.is_absolute()
+        or ".." in path.parts
+        or str(path) in ("", ".")
+    ):
         raise ValueError(
             f"Program file name {name!r} is not a relative path inside the job directory"
         )
@@ -135,8 +142,6 @@ class Program:
 
     def write(self, directory: str) -> None:
         """Writes the files under ``directory`` (which must exist)."""
-        import os
-
         for name, contents in self._encoded.items():
             path = os.path.join(directory, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -34,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -176,7 +175,7 @@ class BubblewrapRunner:
         self.tmp_bytes = check_int("tmp_bytes", tmp_bytes, minimum=2**20)
         self.hide = tuple(path for path in hide if os.path.isdir(path))
         self.uids = uids
-        _probe(self)
+        _check(self)
 
     def command(self, argv: Sequence[str], directory: str) -> list[str]:
         """The bwrap command line that runs ``argv`` with ``directory`` at /tmp/work."""
@@ -205,19 +204,20 @@ class BubblewrapRunner:
         return f"BubblewrapRunner({self.bwrap!r})"
 
 
-@functools.cache
-def _probe_result(bwrap: str) -> str | None:
-    runner = object.__new__(BubblewrapRunner)
-    runner.bwrap, runner.tmp_bytes, runner.hide, runner.uids = bwrap, 2**20, (), launch.JOB_UIDS
+_WORKING: set[tuple] = set()  # bubblewrap set-ups that ran `true` (a lock-free cache)
+
+
+def _check(runner: BubblewrapRunner) -> None:
+    """Runs ``true`` in ``runner`` once per set-up; raises with bwrap's message if it fails."""
+    key = (runner.bwrap, runner.tmp_bytes, runner.hide)
+    if key in _WORKING:
+        return
     with tempfile.TemporaryDirectory() as job:
         outcome = runner.run(Program({}, ["true"]), SandboxLimits(wall_seconds=30), job)
-    return None if outcome.ok else outcome.stderr.decode(errors="replace").strip()
-
-
-def _probe(runner: BubblewrapRunner) -> None:
-    problem = _probe_result(runner.bwrap)
-    if problem is not None:
+    if not outcome.ok:
+        problem = outcome.stderr.decode(errors="replace").strip() or outcome.verdict.name
         raise SandboxError(f"bubblewrap ({runner.bwrap}) cannot sandbox here: {problem}")
+    _WORKING.add(key)
 
 
 class ContainerRunner:
@@ -312,7 +312,9 @@ class ContainerRunner:
             cwd=directory,
             limits=client,
             stdin=program.stdin,
-            env={**os.environ, "PATH": os.environ.get("PATH", os.defpath)},
+            # The client is trusted and needs the caller's engine settings (DOCKER_HOST, ...);
+            # the container sees only the --env above.
+            env=dict(os.environ),
             on_stop=lambda: self.kill(name),
         )
         if done.exit_code == 125 and not (done.timed_out or done.output_limited):
