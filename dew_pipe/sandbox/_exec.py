@@ -1,7 +1,8 @@
 """The sandbox supervisor: one small process between the launcher and a program.
 
-`launch.py` starts it as ``python -I -S _exec.py CONFIG`` (by path, standard library only, so
-it starts in a few milliseconds and no ``preexec_fn`` runs in the threaded parent). It
+`launch.py` starts it as ``python -I -S _exec.py CONFIG`` (by path, a few built-in modules
+only, so it starts fast, and no ``preexec_fn`` runs in the threaded parent; CONFIG is a dict
+in ``marshal`` form, hex-encoded, as ``json`` would cost an import of ``re``). It
 
 1. makes itself a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): every process of the program
    that is orphaned — a daemonized grandchild, a ``setsid`` escapee whose parent exited — is
@@ -20,20 +21,22 @@ it starts in a few milliseconds and no ``preexec_fn`` runs in the threaded paren
    all processes of the job's uid at once (a helper with that uid calls ``kill(-1,
    SIGKILL)``, atomic against concurrent forks), then its children, repeatedly, reaping
    until it has none — so nothing of the program outlives the supervisor;
-5. writes a last JSON line to the status descriptor (exit code or signal, CPU seconds,
-   whether it was stopped, a setup error; the first line named the program's pid) and exits.
+5. writes a last line to the status descriptor, the ``repr`` of a dict (exit code or
+   signal, CPU seconds, whether it was stopped, a setup error; the first line,
+   ``started PID``, named the program's pid) and exits.
 
 The supervisor's own stdin/stdout/stderr are the program's pipes; it hands them to the
 program and points its own at /dev/null, so the launcher sees end-of-file exactly when the
 last process holding them is gone.
 """
 
-import contextlib
+# The C module under `signal`: the same functions and numbers, without importing enum
+# (a few milliseconds of every program's start).
+import _signal as signal
 import ctypes
-import json
+import marshal
 import os
 import resource
-import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
@@ -167,8 +170,10 @@ def _sweep(uid):
     while True:
         children = _children()
         for pid in children:
-            with contextlib.suppress(ProcessLookupError):
+            try:  # noqa: SIM105 - contextlib costs this short-lived process an import
                 os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             pid, _ = os.waitpid(-1, 0 if children else os.WNOHANG)
         except ChildProcessError:
@@ -178,7 +183,7 @@ def _sweep(uid):
 
 
 def main(argv):
-    config = json.loads(argv[1])
+    config = marshal.loads(bytes.fromhex(argv[1]))
     status_fd = config["status_fd"]
     parent = config["parent"]
     os.set_inheritable(status_fd, False)
@@ -208,7 +213,7 @@ def main(argv):
         if child == 0:
             os.close(err_r)
             _child(config, err_w)
-        os.write(status_fd, (json.dumps({"started": child}) + "\n").encode())
+        os.write(status_fd, f"started {child}\n".encode())
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGHUP])
         os.close(err_w)
         null = os.open(os.devnull, os.O_RDWR)
@@ -237,7 +242,7 @@ def main(argv):
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
         _sweep(config["uid"])
-    os.write(status_fd, (json.dumps(report) + "\n").encode())
+    os.write(status_fd, f"{report!r}\n".encode())
     os.close(status_fd)
 
 

@@ -39,9 +39,10 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
-import json
+import marshal
 import os
 import selectors
 import signal
@@ -188,7 +189,7 @@ class Launched:
         }
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-I", "-S", _SUPERVISOR, json.dumps(config)],
+                [sys.executable, "-I", "-S", _SUPERVISOR, marshal.dumps(config).hex()],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -251,8 +252,8 @@ class Launched:
                 with contextlib.suppress(OSError):
                     pipe.close()
             try:
-                self._report = json.loads(self._status.decode().splitlines()[-1])
-            except (ValueError, IndexError):
+                self._report = ast.literal_eval(self._status.decode().splitlines()[-1])
+            except (ValueError, IndexError, SyntaxError):
                 self._report = {"error": f"the supervisor exited {self._process.returncode}"}
         if self._report.get("error"):
             raise SandboxError(f"sandbox could not run the program: {self._report['error']}")
@@ -264,8 +265,8 @@ class Launched:
         with contextlib.suppress(OSError):
             self.read_status()
         groups = [self.pid]
-        if self._status.startswith(b'{"started": '):
-            groups.append(json.loads(self._status.split(b"\n", 1)[0])["started"])
+        if self._status.startswith(b"started "):
+            groups.append(int(self._status.split(b"\n", 1)[0].split()[1]))
         for group in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
