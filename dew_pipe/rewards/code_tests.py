@@ -2,10 +2,12 @@
 
 The rules, each decided once here:
 
-- **The program** is the body of the *last* fenced python block of the completion: a line
-  ```` ```python ```` (or ```` ```py ````, ```` ```python3 ````; any case, spaces allowed)
-  opening it, a line of three backticks closing it. Untagged and other-language blocks are
-  not programs, and a block left open (a completion cut off mid-block) is not a block. A
+- **The program** is the body of the *last* fenced python block of the completion. Fences
+  pair up as in Markdown, read line by line: a line starting with three backticks opens a
+  block, its first word is the language (```` ```python ````, ```` ```py ```` or
+  ```` ```python3 ```` in any case make a python block), and the next line of bare backticks
+  closes it. Untagged and other-language blocks are not programs (nor is a python fence
+  inside one), and a block left open (a completion cut off mid-block) is not a block. A
   block indented as a whole (inside a list item) is dedented. No block: reward 0, nothing
   runs.
 - **The cases** are the ground truth: a JSON list of ``{"stdin": str, "stdout": str}``
@@ -38,7 +40,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import json
-import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,10 +56,8 @@ __all__ = [
     "same_output",
 ]
 
-_BLOCK = re.compile(
-    r"^[ \t]*```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)^[ \t]*```[ \t]*$",
-    re.MULTILINE | re.DOTALL | re.IGNORECASE,
-)
+_FENCE = "```"
+_PYTHON = frozenset({"python", "py", "python3"})
 _FIELDS = ("stdin", "stdout")
 
 
@@ -97,8 +96,23 @@ def last_python_block(completion: str) -> str | None:
         >>> last_python_block("```python\\nprint(3)") is None   # never closed
         True
     """
-    blocks = _BLOCK.findall(completion)
-    return textwrap.dedent(blocks[-1]) if blocks else None
+    found: str | None = None
+    language: str | None = None  # None: outside any block
+    body: list[str] = []
+    for line in completion.split("\n"):  # one pass: linear in the completion's length
+        line = line.rstrip("\r")
+        fence = line.strip()
+        if language is None:
+            if fence.startswith(_FENCE):
+                info = fence[len(_FENCE) :].split()
+                language, body = (info[0].lower() if info else ""), []
+        elif fence == _FENCE:
+            if language in _PYTHON:
+                found = "".join(f"{text}\n" for text in body)
+            language = None
+        else:
+            body.append(line)
+    return None if found is None else textwrap.dedent(found)
 
 
 def _lines(text: str) -> list[str]:
