@@ -6,6 +6,9 @@
 - ``sampled_rollout.py``: `SampledRollout`, the trainer's synchronous GRPO rollout hook.
 - ``prompt_source.py``: `PromptSource`, sessions sampled from a rollout server and scored.
 - ``reward_function.py``: `RewardFunction`, the per-completion reward both of them call.
+- ``flow_sampling.py``, ``flow_rollout.py``: `sample_trajectory` (a rectified-flow model's SDE
+  paths with their transition densities, as a `FlowTrajectory`) and `FlowRollout`, the
+  trainer's Flow-GRPO rollout hook.
 - ``servers/``: the `RolloutServer` interface and its backends (the continuous-batching
   `Server`, `NativeRolloutServer`, `ProcessRolloutServer`); see its docstring.
 
@@ -39,6 +42,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "TextGeneration": ("dew_pipe.inference.text", "TextGeneration"),
     "SampledRollout": ("dew_pipe.inference.sampled_rollout", "SampledRollout"),
     "RewardFunction": ("dew_pipe.inference.reward_function", "RewardFunction"),
+    "FlowRollout": ("dew_pipe.inference.flow_rollout", "FlowRollout"),
+    "FlowTrajectory": ("dew_pipe.inference.flow_sampling", "FlowTrajectory"),
+    "sample_trajectory": ("dew_pipe.inference.flow_sampling", "sample_trajectory"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -19,9 +19,15 @@ projects episodes onto sessions (``session_of``, ``pack_episodes``); ``episode_r
 holds ``EpisodeRollout``, the trainer's rollout hook that collects and packs them (it calls
 the policy it is given, so it needs nothing from :mod:`dew_pipe.inference`).
 
+Flow-GRPO: ``flow_grpo`` holds ``FlowGRPOObjective`` (the clipped per-coordinate ratio loss
+over a rectified-flow model's stochastic transitions, built on
+:class:`dew_pipe.objectives.diffusion.DiffusionObjective`) and names ``transition_kl`` (defined
+with the process in :mod:`dew_pipe.diffusion`).
+
 Some names live on higher floors and are only named here, so the spec's import paths work:
-``SampledRollout`` and ``PromptSource`` (they sample, so they live in
-:mod:`dew_pipe.inference`) and ``RolloutScheduler`` (composed of stages, in
+``SampledRollout``, ``PromptSource``, ``FlowRollout`` and ``sample_trajectory`` with its
+``FlowTrajectory`` (they sample, so they live in :mod:`dew_pipe.inference`) and
+``RolloutScheduler`` (composed of stages, in
 :mod:`dew_pipe.stages`).
 
 Names resolve lazily (module ``__getattr__``) so importing the package costs nothing until a
@@ -59,6 +65,13 @@ _LAZY: dict[str, str] = {
     "task_ids": "dew_pipe.objectives.rl.task_rows",
     "prompt_tasks": "dew_pipe.objectives.rl.task_rows",
     "RolloutScheduler": "dew_pipe.stages.scheduler",
+    # Flow-GRPO on a rectified-flow model; its rollout and sampler sample, so they live in
+    # dew_pipe.inference
+    "FlowGRPOObjective": "dew_pipe.objectives.rl.flow_grpo",
+    "transition_kl": "dew_pipe.objectives.rl.flow_grpo",
+    "FlowRollout": "dew_pipe.inference.flow_rollout",
+    "FlowTrajectory": "dew_pipe.inference.flow_sampling",
+    "sample_trajectory": "dew_pipe.inference.flow_sampling",
     "SchedulerRecord": "dew_pipe.stages.messages",
     # tool episodes: the Environment protocol and its records, projection, the rollout hook
     "Action": "dew_pipe.objectives.rl.episodes",
