@@ -4,7 +4,7 @@ The rules, each decided once here:
 
 - **The program** is the body of the *last* fenced python block of the completion. Fences
   pair up as in Markdown, read line by line: a line starting with three backticks opens a
-  block, its first word is the language (```` ```python ````, ```` ```py ```` or
+  block (indentation allowed), its first word is the language (```` ```python ````, ```` ```py ```` or
   ```` ```python3 ```` in any case make a python block), and the next line of bare backticks
   closes it. Untagged and other-language blocks are not programs (nor is a python fence
   inside one), and a block left open (a completion cut off mid-block) is not a block. A
@@ -12,9 +12,9 @@ The rules, each decided once here:
   runs.
 - **The cases** are the ground truth: a JSON list of ``{"stdin": str, "stdout": str}``
   objects, at least one. Anything else (not JSON, not a list, an empty list, a case that is
-  not an object, a missing, extra or non-string field) raises `ValueError`/`TypeError`
-  naming the case and field: that is a broken data set, not a wrong program
-  (`PromptSource` records it as INFRA_ERROR).
+  not an object, a missing, extra or non-string field) raises `ValueError` naming the case
+  and field, whether or not the completion has a block: that is a broken data set, not a
+  wrong program (`PromptSource` records it as INFRA_ERROR, `SampledRollout` raises).
 - **A case passes** when the program, given the case's stdin, exits 0 within the fleet's
   limits (`Verdict.COMPLETED`) and its stdout matches the expected one **line by line**:
   both are split into lines (``\\r\\n`` counts as ``\\n``), trailing spaces and tabs of
