@@ -161,6 +161,7 @@ HOSTILE = {
     "abort": py("import os; os.abort()"),
     "segfault": py("import ctypes; ctypes.string_at(0)"),
     "stdin_ignored": py("print('not reading')", stdin=b"z" * (1 << 20)),
+    "broken_pipe": Program({}, ["sh", "-c", "yes | head -n 1"]),
 }
 
 
@@ -229,6 +230,12 @@ def test_output_flood_is_cut_at_the_cap(hostile, name):
 def test_crashes_name_their_signal(hostile, name, sig):
     outcome = hostile[name]
     assert (outcome.verdict, outcome.exit_code, outcome.signal) == (Verdict.CRASHED, None, sig)
+
+
+def test_default_signal_dispositions(hostile):
+    """SIGPIPE is not left ignored: ``yes`` dies quietly when ``head`` has had enough."""
+    outcome = hostile["broken_pipe"]
+    assert (outcome.verdict, outcome.text, outcome.stderr) == (Verdict.COMPLETED, "y\n", b"")
 
 
 def test_unread_stdin_is_no_failure(hostile):

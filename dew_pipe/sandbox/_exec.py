@@ -97,8 +97,10 @@ def _child(config, err_w):
     """In the forked child: set up, then exec the program. Never returns."""
     try:
         try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across
+            # exec: give the program the defaults a shell would (`yes | head` just ends).
+            for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(number, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
             os.setsid()
             soft, hard = config["cpu"]
