@@ -33,7 +33,7 @@ from dew_pipe.sandbox import (
     SandboxLimits,
     Verdict,
 )
-from dew_pipe.sandbox.launch import Launched, minimal_environment, run
+from dew_pipe.sandbox.launch import Launched, lease_uid, minimal_environment, run
 
 ROOT = os.geteuid() == 0
 # Programs run as an unprivileged uid under root, which may not read the test's own Python
@@ -77,6 +77,15 @@ def wait_until(predicate, seconds: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder the program's own uid can write (pytest's tmp_path sits in a private one)."""
+    folder = Path(tempfile.mkdtemp(prefix="dew-fleet-test-"))
+    folder.chmod(0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- values ---------------------------------------------------------------------------------
@@ -344,6 +353,23 @@ def test_daemons_are_swept_without_a_uid_of_their_own(tmp_path):
     assert not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.skipif(not ROOT, reason="job uids are leased only by root")
+def test_a_leased_uid_starts_clean(shared_dir):
+    """A stale process of the uid (its supervisor SIGKILLed) dies before the next program."""
+    with lease_uid() as uid:
+        stale = subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"]
+        )
+        try:
+            assert wait_until(lambda: Path(f"/proc/{stale.pid}").stat().st_uid == uid)
+            done = run(["true"], cwd=str(shared_dir), limits=SandboxLimits(), uid=uid)
+            assert done.exit_code == 0
+            assert stale.wait(timeout=5) == -signal.SIGKILL
+        finally:
+            stale.kill()
+            stale.wait()
+
+
 def test_fork_bomb_is_contained_and_swept(escapes):
     outcome = escapes["fork_bomb"]
     assert outcome.verdict is Verdict.TIMEOUT
@@ -357,15 +383,6 @@ def test_process_count_is_bounded(escapes):
     assert made < fork_bomb_limits().processes  # the program itself is one of them
     if ROOT:  # its own uid: the allowance is all its own (otherwise the concurrent fork bomb
         assert made >= 10  # shares the caller's uid, hence its RLIMIT_NPROC count)
-
-
-@pytest.fixture
-def shared_dir():
-    """A folder the program's own uid can write (pytest's tmp_path sits in a private one)."""
-    folder = Path(tempfile.mkdtemp(prefix="dew-fleet-test-"))
-    folder.chmod(0o777)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_parent_killed_while_a_program_runs(shared_dir):

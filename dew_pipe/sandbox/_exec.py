@@ -11,10 +11,12 @@ in ``marshal`` form, hex-encoded, as ``json`` would cost an import of ``re``). I
    when the launching *thread* ends, so on SIGHUP it checks whether its parent process is
    still the launcher (only a thread ended: re-arm and go on) or not (the launcher died:
    kill everything and exit);
-3. forks the program: a new session, RLIMIT_CPU, RLIMIT_AS, RLIMIT_CORE 0, RLIMIT_NPROC, an
+3. with a job uid, first kills whatever still runs under it (the uid is leased to this run,
+   so such a process can only be a leftover of a supervisor that was itself SIGKILLed);
+   then forks the program: a new session, RLIMIT_CPU, RLIMIT_AS, RLIMIT_CORE 0, RLIMIT_NPROC, an
    unprivileged uid/gid when one is configured (root is not bound by RLIMIT_NPROC), SIGKILL
-   when the supervisor dies, the working directory, then ``execvpe`` with the given
-   environment only. A failure before the exec is reported as a setup error; a command that
+   when the supervisor dies, the working directory, then ``execve`` (looking
+   ``argv[0]`` up on the given PATH) with the given environment only. A failure before the exec is reported as a setup error; a command that
    cannot be executed exits 127 with a message on stderr, as a shell would;
 4. waits for the program (reaping adopted orphans meanwhile); on SIGTERM from the launcher
    (deadline, excess output, close) or once the program exits, it kills every process left:
@@ -208,6 +210,8 @@ def main(argv):
         _prctl(PR_SET_PDEATHSIG, signal.SIGHUP)
         if os.getppid() != parent:
             raise _Stop
+        if config["uid"] is not None:  # the uid is leased to this run: anything of it is stale
+            _kill_uid(config["uid"])
         err_r, err_w = os.pipe()
         # A stop request must not reach the child before it drops these handlers.
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
