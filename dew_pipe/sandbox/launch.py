@@ -17,17 +17,23 @@ the guarantees are the same:
   the process group with ``setsid`` or daemonized, since a child subreaper adopts them.
 
 Why a subreaper and an unprivileged uid rather than a cgroup: the subreaper needs no
-privilege and works on every Linux since 3.4, inside containers and CI runners alike, where a
-writable, delegated cgroup v2 is the exception (this development machine has cgroup v1
-controllers and a controller-less v2 mount; GitHub's runners have neither delegated). The
-one thing a subreaper cannot do is bound a fork bomb; RLIMIT_NPROC does, but it never binds
-root, and these machines run everything as root. So when the launcher runs as root, each
-program runs under its own unprivileged uid leased from `JOB_UIDS` (65000-65533, the range
-Debian reserves and never assigns), one uid per running program on the whole machine (a
-``flock`` per uid), which makes RLIMIT_NPROC bind, keeps two programs from signalling each
-other, and lets the supervisor kill every process of the job atomically with
-``kill(-1)`` from that uid. Not as root, the program keeps the caller's uid and RLIMIT_NPROC
-is set to the caller's current task count plus the allowance.
+privilege and works on every Linux since 3.4, inside containers and CI runners alike, while a
+cgroup the library may write is not something it can count on (this development machine, a
+VM running everything as root, has writable cgroup v1 controllers and a controller-less v2
+mount; an ordinary user or container usually has no delegated cgroup at all). The one thing a
+subreaper cannot do is bound a fork bomb; RLIMIT_NPROC does, but it never binds root. So when
+the launcher runs as root, each program runs under its own unprivileged uid leased from
+`JOB_UIDS` (65000-65533, a range Debian policy reserves and assigns to no one), one uid per
+running program on the whole machine (a ``flock`` per uid), which makes RLIMIT_NPROC bind,
+keeps two programs from signalling each other, and lets the supervisor kill every process of
+the job atomically with ``kill(-1)`` from that uid. The working directory is then handed to
+that uid (`give_to`), and the folders above it must be searchable by others (``/tmp`` is).
+Not as root, the program keeps the caller's uid and RLIMIT_NPROC is set to the caller's
+current task count plus the allowance, so programs running at once share it.
+
+What it does not do: a program keeps the filesystem and network view of its uid (use a
+runner that isolates for untrusted code), and a program running under the caller's own uid
+could kill its supervisor, after which the processes it had detached are no longer swept.
 
 Example:
     >>> import tempfile

@@ -14,12 +14,16 @@ a runner must be thread-safe (these are: they keep no per-run state on ``self``)
   pid, IPC and UTS namespaces, a size-capped writable tmpfs at ``/tmp``, and the job directory
   read-only at ``/tmp/work`` (its working directory; a mount point can only be made on a
   writable filesystem, so not at ``/work`` on a read-only root). No daemon and no privilege
-  are needed: bwrap makes an unprivileged user namespace. This is the runner for untrusted
-  code on a machine without a container engine, and the RLVR pipeline's default.
+  are needed: bwrap makes an unprivileged user namespace (the constructor checks that it
+  can, once, and says why not). This is the runner for untrusted code on a machine without
+  a container engine.
 * `ContainerRunner` runs each program in a fresh container of a Docker-compatible engine
   (no network, read-only root, the job directory read-only at ``/work``, all capabilities
   dropped, no-new-privileges, an unprivileged user, memory, CPU-share, process-count and
   CPU-time limits) and kills it by name at the deadline. It never pulls an image.
+
+bwrap and container engines report a program killed by signal n as exit status 128 + n, so
+under them a program that itself exits with such a status reads as killed by that signal.
 
 Example:
     >>> import tempfile
