@@ -460,37 +460,68 @@ def test_sandbox_error_reaches_the_future():
         fleet.submit(Program({}, ["true"])).result()
 
 
+JSON_WORKER = """
+import json, os, sys, time
+for line in sys.stdin:
+    request = json.loads(line)
+    if request.get("hang"):
+        time.sleep(60)
+    if request.get("huge"):
+        print("x" * 100_000, flush=True)
+        continue
+    if request.get("quit"):
+        sys.exit(0)
+    print(json.dumps({"pid": os.getpid(), "twice": request["n"] * 2}), flush=True)
+"""
+
+
+def _worker(tmp_path) -> Launched:
+    (tmp_path / "worker.py").write_text(JSON_WORKER)
+    return Launched([PY, "worker.py"], cwd=str(tmp_path), limits=SandboxLimits())
+
+
+def _ask(launched: Launched, request: dict) -> dict:
+    launched.send(json.dumps(request).encode() + b"\n", timeout=5)
+    return json.loads(launched.receive_line(timeout=5, limit=1000))
+
+
 def test_launched_worker_talks_json_lines_and_outlives_its_starting_thread(tmp_path):
-    tmp_path.chmod(0o777)
-    worker = textwrap.dedent(
-        """
-        import json, os, sys
-        for line in sys.stdin:
-            request = json.loads(line)
-            print(json.dumps({"pid": os.getpid(), "twice": request["n"] * 2}), flush=True)
-        """
-    )
-    (tmp_path / "worker.py").write_text(worker)
     box: list[Launched] = []
-    thread = threading.Thread(
-        target=lambda: box.append(
-            Launched([PY, "worker.py"], cwd=str(tmp_path), limits=SandboxLimits(), uid=None)
-        )
-    )
+    thread = threading.Thread(target=lambda: box.append(_worker(tmp_path)))
     thread.start()
     thread.join()  # the launching thread has ended (a parent-death signal fires on that)
     time.sleep(0.3)
-    launched = box[0]
-    replies = []
-    for n in (1, 2, 3):
-        launched.stdin.write(json.dumps({"n": n}).encode() + b"\n")
-        launched.stdin.flush()
-        replies.append(json.loads(launched.stdout.readline()))
-    assert [r["twice"] for r in replies] == [2, 4, 6]
-    pid = replies[0]["pid"]
-    launched.stop()
-    assert not alive(pid)
+    with box[0] as launched:
+        replies = [_ask(launched, {"n": n}) for n in (1, 2, 3)]
+        assert [r["twice"] for r in replies] == [2, 4, 6]
+        pid = replies[0]["pid"]
+    assert not alive(pid)  # the context's exit stopped it
     assert launched.wait()["stopped"] is True
+
+
+def test_launched_worker_failures_are_bounded(tmp_path):
+    with _worker(tmp_path) as launched:
+        pid = _ask(launched, {"n": 1})["pid"]
+        launched.send(b'{"huge": true}\n', timeout=5)
+        with pytest.raises(ValueError, match="longer than 1000 bytes"):
+            launched.receive_line(timeout=5, limit=1000)
+        launched.stop()  # a worker that broke the protocol is ended, never resynchronized
+    assert not alive(pid)
+
+    with _worker(tmp_path) as launched:
+        launched.send(b'{"hang": true}\n', timeout=5)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="no whole line within 0.5 s"):
+            launched.receive_line(timeout=0.5, limit=1000)
+        assert time.monotonic() - start < 2
+        with pytest.raises(TimeoutError, match="read none"):  # it no longer reads its stdin
+            launched.send(b"z" * (1 << 20), timeout=0.5)
+
+    with _worker(tmp_path) as launched:
+        launched.send(b'{"quit": true}\n', timeout=5)
+        with pytest.raises(EOFError):
+            launched.receive_line(timeout=5, limit=1000)
+        assert launched.wait()["exit"] == 0
 
 
 # -- bubblewrap --------------------------------------------------------------------------

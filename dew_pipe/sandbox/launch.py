@@ -4,7 +4,8 @@
 mechanics) and gives the caller the program's stdin/stdout/stderr pipes. `run` drives one
 launched program to completion: it feeds stdin, collects output up to a cap, and stops the
 tree at the wall deadline or on excess output. A long-lived worker that talks JSON lines (a
-tool environment) uses `Launched` directly and calls `Launched.stop` when done. Either way
+tool environment) uses `Launched` directly: `Launched.send` and `Launched.receive_line`
+bound each exchange by a deadline and a line-size cap, and `Launched.stop` ends it. Either way
 the guarantees are the same:
 
 * its own session and process group; RLIMIT_CPU, RLIMIT_AS, no core dumps, RLIMIT_NPROC;
@@ -212,6 +213,7 @@ class Launched:
         self._status_fd = status_r
         self._status = b""
         self._report: dict | None = None
+        self._line = b""  # stdout read by `receive_line` past its last line
         self.pid = self._process.pid
         self.stdin = self._process.stdin
         self.stdout = self._process.stdout
@@ -277,6 +279,56 @@ class Launched:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
         self._process.wait()
+
+    def send(self, data: bytes, *, timeout: float) -> None:
+        """Writes all of ``data`` to the program's stdin within ``timeout`` seconds.
+
+        Raises:
+          TimeoutError: the program stopped reading (its pipe stayed full).
+          BrokenPipeError: the program closed its stdin or ended.
+        """
+        fd = self.stdin.fileno()
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + timeout
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not _ready(fd, selectors.EVENT_WRITE, left):
+                raise TimeoutError(f"the program read none of the last input for {timeout} s")
+            with contextlib.suppress(BlockingIOError):
+                view = view[os.write(fd, view[: 1 << 16]) :]
+
+    def receive_line(self, *, timeout: float, limit: int) -> bytes:
+        """The program's next stdout line (with its ``\\n``), within ``timeout`` seconds.
+
+        Reads stdout itself (do not also read `stdout`); stderr is left alone, so a worker
+        that fills its stderr pipe blocks: point it at a file or drain it.
+
+        Raises:
+          TimeoutError: no whole line came within ``timeout`` seconds.
+          ValueError: the line is longer than ``limit`` bytes.
+          EOFError: stdout ended first (the program exited or closed it).
+        """
+        fd = self.stdout.fileno()
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + timeout
+        while (end := self._line.find(b"\n")) < 0:
+            if len(self._line) > limit:
+                raise ValueError(f"the program's line is longer than {limit} bytes")
+            left = deadline - time.monotonic()
+            if left <= 0 or not _ready(fd, selectors.EVENT_READ, left):
+                raise TimeoutError(f"the program wrote no whole line within {timeout} s")
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise EOFError("the program's stdout ended")
+            self._line += chunk
+        if end + 1 > limit:
+            raise ValueError(f"the program's line is longer than {limit} bytes")
+        line, self._line = self._line[: end + 1], self._line[end + 1 :]
+        return line
 
     def __enter__(self) -> Launched:
         return self
@@ -384,6 +436,13 @@ def run(
         timed_out=timed_out,
         output_limited=limited,
     )
+
+
+def _ready(fd: int, event: int, timeout: float) -> bool:
+    """Whether ``fd`` becomes ready for ``event`` within ``timeout`` seconds."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, event)
+        return bool(selector.select(timeout))
 
 
 def _stop(launched: Launched, on_stop: Callable[[], None] | None) -> float:
