@@ -156,8 +156,8 @@ class InputSpec:
                 )
         return int(np.shape(batch[present[0].name])[0])
 
-    def condition_arrays(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """The condition fields of ``batch`` as arrays.
+    def condition_fields(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The condition fields of ``batch``, as they are (host or traced arrays).
 
         Raises:
             ValueError: a condition field is missing.
@@ -167,7 +167,7 @@ class InputSpec:
             raise ValueError(
                 f"batch has no condition field(s) {missing}; fields are {sorted(batch)}"
             )
-        return {field.name: np.asarray(batch[field.name]) for field in self.conditions}
+        return {field.name: batch[field.name] for field in self.conditions}
 
     def tokenize(self, prompts: Sequence[str]) -> dict[str, np.ndarray]:
         """Encode ``prompts`` into every tokenized field: ``{name: int32 [B, L]}``.

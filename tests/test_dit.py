@@ -245,3 +245,33 @@ def test_uint8_sample_field_maps_onto_unit_range():
     np.testing.assert_array_equal(
         objective.encode({"image": np.zeros((1, 4, 4, 1), np.uint8)}), -1.0
     )
+
+
+class _Pool:
+    """A frozen autoencoder: 2x2 mean pooling down, nearest-neighbour upsampling back."""
+
+    def encode(self, images):
+        rows, h, w, c = images.shape
+        return images.reshape(rows, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+
+    def decode(self, latents):
+        return 3.0 * jnp.repeat(jnp.repeat(latents, 2, axis=1), 2, axis=2)
+
+
+def test_autoencoder_sets_the_latent_shape_and_decodes_samples():
+    model = _dit()
+    objective = DiffusionObjective(
+        model, presets.Flow()(), InputSpec(Field("image", (8, 4, 1))), autoencoder=_Pool()
+    )
+    assert objective.latent_shape == (4, 2, 1) and objective.coordinates == 8
+    variables = objective.init(jax.random.key(0))
+    assert variables["params"]["model"]["position"].shape == (2, 8)  # 2x1 patches of 4x2
+    batch = {"image": np.full((3, 8, 4, 1), 255, np.uint8)}
+    np.testing.assert_array_equal(objective.encode(batch), np.ones((3, 4, 2, 1)))
+    images = jax.jit(objective.sample)(variables, jax.random.key(1), batch)
+    assert images.shape == (3, 8, 4, 1)
+    assert np.abs(images).max() <= 1.0  # decoded, then clipped to [-1, 1]
+    with pytest.raises(TypeError, match="expected None or an object with encode"):
+        DiffusionObjective(
+            model, presets.Flow()(), InputSpec(Field("image", (8, 4, 1))), autoencoder=1
+        )

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import statistics
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,7 @@ import optax
 import pytest
 
 from dew_pipe import Field, InputSpec, Trainer, models, presets
+from dew_pipe.data import Dataset
 from dew_pipe.diffusion import transition_kl, transition_log_density
 from dew_pipe.inference.flow_rollout import rewards_from_bytes, rewards_to_bytes
 from dew_pipe.objectives.rl import FlowGRPOObjective, FlowRollout, FlowTrajectory, sample_trajectory
@@ -298,7 +301,7 @@ def _reference_loss(objective, params, ema, batch, beta, eps):
     return -(m * value).sum() / m.sum()
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.3])
+@pytest.mark.parametrize("beta", [pytest.param(0.0, marks=pytest.mark.slow), 0.3])
 def test_loss_and_gradients_match_the_paper_reference(beta):
     eps = 0.05
     objective = _objective(beta=beta, clip=eps)
@@ -410,6 +413,7 @@ print(int(state.updates))
 """
 
 
+@pytest.mark.slow
 def test_spec_example_runs_two_updates_and_keeps_the_reference_frozen():
     namespace: dict = {}
     out = io.StringIO()
@@ -434,3 +438,67 @@ def test_spec_example_runs_two_updates_and_keeps_the_reference_frozen():
     )
     assert objective.ema_decay is None
     assert Trainer(objective, optax.adam(1e-3), key=jax.random.key(0)).initial_state().ema is None
+
+
+# ---------------------------------------------------------------------------- conditioned runs
+
+
+class _PromptEncoder(nn.Module):
+    """Mean of the prompt's token embeddings (pad id 0 left out)."""
+
+    @nn.compact
+    def __call__(self, ids):
+        embedded = nn.Embed(8, 8)(ids)
+        keep = (ids != 0)[..., None]
+        return (embedded * keep).sum(axis=1) / jnp.maximum(keep.sum(axis=1), 1)
+
+
+@pytest.mark.slow
+def test_conditioned_run_rolls_out_evaluates_and_previews_from_prompts_alone():
+    words = {"dark": 1, "light": 2, "square": 3}
+    inputs = InputSpec(
+        Field("image", (4, 4, 1)),
+        Field("prompt", (2,), tokenizer=lambda text: [words[w] for w in text.split()]),
+    )
+
+    def mean_pixel(images, batch):
+        return images.mean(axis=(1, 2, 3))
+
+    objective = FlowGRPOObjective(
+        _dit(),
+        presets.Flow()(),
+        inputs,
+        guidance=1.5,
+        beta=0.0,
+        steps=3,
+        encoders={"prompt": _PromptEncoder()},
+        eval_metrics={"brightness": mean_pixel},
+    )
+    prompts = inputs.tokenize(["light square", "dark"])  # no image field
+    assert list(prompts) == ["prompt"]
+
+    def reward(images, batch):
+        wants_light = batch["prompt"][:, 0] == 2
+        return np.where(wants_light, 1.0, -1.0) * images.mean(axis=(1, 2, 3))
+
+    rollout = FlowRollout(objective, reward, groups=2, steps=3)
+    data = Dataset(
+        train=lambda partition: itertools.repeat(prompts),
+        val=lambda partition: [prompts],
+        records=None,
+        batch=2,
+    )
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), rollout=rollout)
+    state = trainer.fit(data, steps=2, log_every=2)
+    assert int(state.updates) == 2 and state.ema is None
+    out = rollout(state, prompts, jax.random.key(1))
+    # the rollout repeats the conditions with their rows, contiguously per group
+    np.testing.assert_array_equal(out["prompt"], np.repeat(prompts["prompt"], 2, axis=0))
+    assert out["states"].shape == (4, 2, 4, 4, 1)  # train_steps=None: both transitions
+    # evaluation samples from the prompts with the live policy and averages the metric
+    results = trainer.evaluate(state, data)
+    images = np.asarray(jax.jit(objective.sample)(state.params, jax.random.key(5), prompts))
+    assert images.shape == (2, 4, 4, 1)
+    assert set(results) == {"brightness"} and -1.0 <= results["brightness"] <= 1.0
+    with pytest.raises(ValueError, match="no sample field 'image'"):
+        objective.diffusion.loss(state.params, prompts, jax.random.key(0), None)

@@ -178,7 +178,7 @@ class FlowRollout:
         sources = inputs.rows(batch)
         rows = sources * self.groups
         repeated = _repeat(batch, self.groups)
-        conditions = inputs.condition_arrays(repeated)
+        conditions = inputs.condition_fields(repeated)
         key = jax.random.fold_in(key, jax.process_index())
         trajectory = sample_trajectory(
             self.diffusion,

@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -74,6 +74,11 @@ class DiffusionObjective:
             needs at least one condition field.
         condition_dropout: probability of training a row on the null condition.
         steps: time points (both ends included) that `sample` integrates over.
+        eval_metrics: ``{name: metric(images, batch) -> [B]}``, the metric consumers of
+            evaluation: each validation batch is sampled (the live parameters, ``steps``
+            points, fixed noise) and each metric's per-row values are averaged over the
+            validation set. A batch with the sample field also reports the flow-matching
+            ``loss``; a prompt-only batch (``inputs.tokenize(prompts)``) needs a metric.
 
     Raises:
         TypeError: a process that is not a `Process`, inputs that are not an `InputSpec`,
@@ -95,6 +100,7 @@ class DiffusionObjective:
         guidance: float | None = None,
         condition_dropout: float = 0.0,
         steps: int = 20,
+        eval_metrics: Mapping[str, Callable[[jax.Array, Batch], jax.Array]] | None = None,
     ) -> None:
         if not callable(getattr(model, "apply", None)) or not callable(
             getattr(model, "init", None)
@@ -137,6 +143,14 @@ class DiffusionObjective:
             "condition_dropout", condition_dropout, minimum=0.0, maximum=1.0
         )
         self.steps = check_int("steps", steps, minimum=2)
+        self.eval_metrics = dict(eval_metrics or {})
+        for name, metric in self.eval_metrics.items():
+            if not callable(metric) or name in ("loss", "squared_error", "count", "samples"):
+                raise ValueError(
+                    f"eval_metrics[{name!r}] is {metric!r}; expected a callable "
+                    "metric(images, batch) -> [B] under a name other than loss, "
+                    "squared_error, count and samples"
+                )
         sample = jax.ShapeDtypeStruct((1, *inputs.sample.shape), jnp.float32)
         self.latent_shape: tuple[int, ...] = tuple(
             jax.eval_shape(self._encode_pixels, sample).shape[1:]
@@ -221,6 +235,11 @@ class DiffusionObjective:
     def _squared_errors(
         self, params: Variables, batch: Batch, key: jax.Array, dropout: bool
     ) -> jax.Array:
+        if self.inputs.sample.name not in batch:  # checked while tracing, before any compile
+            raise ValueError(
+                f"batch has no sample field {self.inputs.sample.name!r} (fields "
+                f"{sorted(batch)}); flow matching needs the clean samples"
+            )
         x0 = self.encode(batch)
         rows = x0.shape[0]
         time_key, noise_key, drop_key = jax.random.split(key, 3)
@@ -245,29 +264,60 @@ class DiffusionObjective:
         return loss, {"loss": loss, "loss_weight": rows}
 
     def evaluate(self, params: Variables, batch: Batch) -> Metrics:
-        """Summed squared velocity errors on fixed draws (same noise for every evaluation)."""
-        per_row = self._squared_errors(params, batch, jax.random.key(_EVAL_SEED), dropout=False)
-        return {
-            "squared_error": per_row.sum(),
-            "count": jnp.asarray(per_row.shape[0], jnp.float32),
-        }
+        """Sums over one validation batch, all on fixed draws (the same for every evaluation).
+
+        With the sample field: the summed squared velocity error and its row count. With
+        ``eval_metrics``: each metric's sum over samples drawn from the batch, and the
+        sample count.
+        """
+        key = jax.random.key(_EVAL_SEED)
+        sums: dict[str, jax.Array] = {}
+        if self.inputs.sample.name in batch:
+            per_row = self._squared_errors(params, batch, key, dropout=False)
+            sums["squared_error"] = per_row.sum()
+            sums["count"] = jnp.asarray(per_row.shape[0], jnp.float32)
+        if self.eval_metrics:
+            images = self.sample(params, jax.random.fold_in(key, 1), batch)
+            for name, metric in sorted(self.eval_metrics.items()):
+                values = jnp.asarray(metric(images, batch), jnp.float32)
+                if values.shape != (images.shape[0],):
+                    raise ValueError(
+                        f"eval_metrics[{name!r}] returned shape {values.shape}; expected "
+                        f"({images.shape[0]},), one value per sample"
+                    )
+                sums[name] = values.sum()
+            sums["samples"] = jnp.asarray(images.shape[0], jnp.float32)
+        if not sums:
+            raise ValueError(
+                f"validation batch has no sample field {self.inputs.sample.name!r} and the "
+                "objective has no eval_metrics; expected one or the other"
+            )
+        return sums
 
     def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
-        """``{"loss": mean squared velocity error}`` over the evaluated rows."""
-        return {"loss": totals["squared_error"] / max(totals["count"], 1.0)}
+        """``loss`` (mean squared velocity error) and each metric's mean over the samples."""
+        out = {}
+        if "squared_error" in totals:
+            out["loss"] = totals["squared_error"] / max(totals["count"], 1.0)
+        for name in sorted(self.eval_metrics):
+            out[name] = totals[name] / max(totals["samples"], 1.0)
+        return out
 
     def validate(self, batch: Mapping[str, np.ndarray]) -> None:
         """Check a host batch: the sample and condition fields with their shapes.
 
+        A batch without the sample field passes only when there are ``eval_metrics`` (it
+        can then be evaluated; the loss refuses it while tracing).
+
         Raises:
             ValueError: a missing field or a wrong per-example shape, naming the field.
         """
-        if self.inputs.sample.name not in batch:
+        if self.inputs.sample.name not in batch and not self.eval_metrics:
             raise ValueError(
                 f"batch has no sample field {self.inputs.sample.name!r}; fields are {sorted(batch)}"
             )
         self.inputs.rows(batch)
-        self.inputs.condition_arrays(batch)
+        self.inputs.condition_fields(batch)
 
     # ------------------------------------------------------------------ sampling
 
@@ -281,9 +331,7 @@ class DiffusionObjective:
         """
         steps = self.steps if steps is None else check_int("steps", steps, minimum=2)
         rows = self.inputs.rows(batch)
-        conditions = {
-            name: jnp.asarray(v) for name, v in self.inputs.condition_arrays(batch).items()
-        }
+        conditions = self.inputs.condition_fields(batch)
         times = jnp.asarray(self.process.timesteps(steps), jnp.float32)
         cond = self.condition(params, conditions)
         x = jax.random.normal(key, (rows, *self.latent_shape), jnp.float32)

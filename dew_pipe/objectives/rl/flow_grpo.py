@@ -26,7 +26,7 @@ the objective's own ``steps`` with the diffusion objective's sampler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -65,6 +65,7 @@ class FlowGRPOObjective:
             per-coordinate ratio moves very little.
         encoders: the condition encoders (see `DiffusionObjective`).
         autoencoder: an optional frozen autoencoder (see `DiffusionObjective`).
+        eval_metrics: the metric consumers of evaluation (see `DiffusionObjective`).
 
     Attributes:
         diffusion: the `DiffusionObjective` holding the inputs, encoders, autoencoder and
@@ -96,6 +97,7 @@ class FlowGRPOObjective:
         clip: float = 1e-4,
         encoders: Mapping[str, Any] | None = None,
         autoencoder: Any = None,
+        eval_metrics: Mapping[str, Callable[[jax.Array, Batch], jax.Array]] | None = None,
     ) -> None:
         self.diffusion = DiffusionObjective(
             model,
@@ -105,6 +107,7 @@ class FlowGRPOObjective:
             autoencoder=autoencoder,
             guidance=guidance,
             steps=steps,
+            eval_metrics=eval_metrics,
         )
         self.beta = check_float("beta", beta, minimum=0.0)
         self.clip = check_float("clip", clip, above=0.0, below=1.0)
@@ -197,7 +200,7 @@ class FlowGRPOObjective:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, params: Variables, batch: Batch) -> Metrics:
-        """Flow-matching error of the live policy on a batch with the sample field."""
+        """Evaluation sums of the live policy (`DiffusionObjective.evaluate`)."""
         return self.diffusion.evaluate(params, batch)
 
     def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
@@ -250,7 +253,7 @@ class FlowGRPOObjective:
                 raise ValueError(
                     f"batch field {name!r} has shape {np.shape(batch[name])}; expected {shape}"
                 )
-        self.inputs.condition_arrays(batch)
+        self.inputs.condition_fields(batch)
         mask = np.asarray(batch["transition_mask"])
         if not np.isin(mask, (0, 1)).all():
             raise ValueError(
