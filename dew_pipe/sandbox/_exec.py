@@ -21,8 +21,9 @@ in ``marshal`` form, hex-encoded, as ``json`` would cost an import of ``re``). I
 4. waits for the program (reaping adopted orphans meanwhile); on SIGTERM from the launcher
    (deadline, excess output, close) or once the program exits, it kills every process left:
    all processes of the job's uid at once (a helper with that uid calls ``kill(-1,
-   SIGKILL)``, atomic against concurrent forks), then its children, repeatedly, reaping
-   until it has none — so nothing of the program outlives the supervisor;
+   SIGKILL)``, atomic against concurrent forks), then, round after round, the program's
+   process group and every process of the tree below the supervisor, reaping until it has
+   no child left — so nothing of the program outlives the supervisor;
 5. writes a last line to the status descriptor, the ``repr`` of a dict (exit code or
    signal, CPU seconds, whether it was stopped, a setup error; the first line,
    ``started PID``, named the program's pid) and exits.
@@ -115,8 +116,8 @@ def _child(config, err_w):
                 os.setgid(config["gid"])
                 os.setuid(uid)
                 processes = config["processes"]
-            else:  # RLIMIT_NPROC counts all of this uid's tasks: allow that many more
-                processes = _tasks_of(os.getuid()) + config["processes"]
+            else:  # RLIMIT_NPROC counts all of this uid's tasks, this one included
+                processes = _tasks_of(os.getuid()) - 1 + config["processes"]
             resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
             supervisor = os.getppid()
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
@@ -133,23 +134,22 @@ def _child(config, err_w):
         os._exit(127)  # whatever happened, the child never returns into the supervisor
 
 
-def _children():
-    """Pids whose parent is this process."""
-    me = os.getpid()
-    try:
-        with open(f"/proc/{me}/task/{me}/children") as handle:
-            return [int(pid) for pid in handle.read().split()]
-    except OSError:
-        pass
-    found = []
+def _descendants():
+    """Pids below this process, parents before their children (one scan of /proc)."""
+    children = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat", "rb") as handle:
-                    if int(handle.read().rsplit(b")", 1)[1].split()[1]) == me:
-                        found.append(int(name))
+                    parent = int(handle.read().rsplit(b")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
+            children.setdefault(parent, []).append(int(name))
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
     return found
 
 
@@ -167,19 +167,29 @@ def _kill_uid(uid):
     os.waitpid(helper, 0)
 
 
-def _sweep(uid):
-    """Kill and reap every descendant; returns when this process has no children left."""
+def _sweep(uid, group):
+    """Kill and reap every descendant; returns when this process has no children left.
+
+    Each round kills the program's process group and then every process of the tree below
+    (killing one level at a time would let a fork bomb's deeper levels refill the slots it
+    frees), then reaps; orphans come back to this subreaper for the next round.
+    """
     if uid is not None:
         _kill_uid(uid)
     while True:
-        children = _children()
-        for pid in children:
+        if group is not None:
             try:  # noqa: SIM105 - contextlib costs this short-lived process an import
+                os.killpg(group, signal.SIGKILL)  # atomic against forks inside the group
+            except OSError:
+                pass  # the group is gone (its pid cannot be reused while the group lives)
+        found = _descendants()
+        for pid in found:
+            try:  # noqa: SIM105
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         try:
-            pid, _ = os.waitpid(-1, 0 if children else os.WNOHANG)
+            pid, _ = os.waitpid(-1, 0 if found else os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:  # children exist that /proc did not list yet
@@ -192,6 +202,7 @@ def main(argv):
     parent = config["parent"]
     os.set_inheritable(status_fd, False)
     report = {"exit": None, "signal": None, "cpu": 0.0, "stopped": False, "error": None}
+    child = None
 
     def on_term(signum, frame):
         raise _Stop
@@ -247,7 +258,7 @@ def main(argv):
         report["error"] = f"supervisor: {type(exc).__name__}: {exc}"
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
-        _sweep(config["uid"])
+        _sweep(config["uid"], child)
     os.write(status_fd, f"{report!r}\n".encode())
     os.close(status_fd)
 
