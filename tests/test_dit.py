@@ -275,3 +275,21 @@ def test_autoencoder_sets_the_latent_shape_and_decodes_samples():
         DiffusionObjective(
             model, presets.Flow()(), InputSpec(Field("image", (8, 4, 1))), autoencoder=1
         )
+
+
+def test_pretrained_variables_start_the_objective_and_are_checked():
+    inputs = InputSpec(Field("image", (4, 4, 1)))
+    source = DiffusionObjective(_dit(), presets.Flow()(), inputs)
+    variables = jax.jit(source.init)(jax.random.key(0))
+    variables = jax.tree.map(lambda a: a + 1.0, variables)
+    objective = DiffusionObjective(_dit(), presets.Flow()(), inputs, pretrained=variables)
+    copied = objective.init(jax.random.key(7))
+    for got, want in zip(jax.tree.leaves(copied), jax.tree.leaves(variables), strict=True):
+        np.testing.assert_array_equal(got, want)
+    wide = DiffusionObjective(_dit(emb_features=16), presets.Flow()(), inputs)
+    with pytest.raises(
+        ValueError, match=r"pretrained\['params'\]\['model'\]\['block_0'\].* has shape"
+    ):
+        DiffusionObjective(wide.model, presets.Flow()(), inputs, pretrained=variables)
+    with pytest.raises(ValueError, match="expected a full variables mapping"):
+        DiffusionObjective(_dit(), presets.Flow()(), inputs, pretrained=variables["params"])

@@ -48,7 +48,7 @@ import numpy as np
 from dew_pipe._validate import check_float, check_int
 from dew_pipe.diffusion import Process
 from dew_pipe.inputs import InputSpec, pixels
-from dew_pipe.training.objective import Batch, Metrics, Variables
+from dew_pipe.training.objective import Batch, Metrics, Variables, check_variables
 
 __all__ = ["DiffusionObjective"]
 
@@ -79,12 +79,16 @@ class DiffusionObjective:
             points, fixed noise) and each metric's per-row values are averaged over the
             validation set. A batch with the sample field also reports the flow-matching
             ``loss``; a prompt-only batch (``inputs.tokenize(prompts)``) needs a metric.
+        pretrained: starting variables (as `init` makes them, e.g. the final
+            ``state.params`` of a pretraining run), copied at init instead of a random
+            initialisation.
 
     Raises:
         TypeError: a process that is not a `Process`, inputs that are not an `InputSpec`,
             an autoencoder without ``encode``/``decode``.
         ValueError: encoders that do not match the condition fields one to one, guidance
-            without conditions, an out-of-range setting.
+            without conditions, an out-of-range setting, ``pretrained`` variables whose
+            names or shapes differ from the model's (naming the first difference).
     """
 
     ema_decay: float | None = None
@@ -101,6 +105,7 @@ class DiffusionObjective:
         condition_dropout: float = 0.0,
         steps: int = 20,
         eval_metrics: Mapping[str, Callable[[jax.Array, Batch], jax.Array]] | None = None,
+        pretrained: Variables | None = None,
     ) -> None:
         if not callable(getattr(model, "apply", None)) or not callable(
             getattr(model, "init", None)
@@ -156,11 +161,39 @@ class DiffusionObjective:
             jax.eval_shape(self._encode_pixels, sample).shape[1:]
         )
         self.coordinates = math.prod(self.latent_shape)
+        self.pretrained = None
+        if pretrained is not None:
+            self.pretrained = check_variables(pretrained, "pretrained")
+            self._check_pretrained()
+
+    def _check_pretrained(self) -> None:
+        expected = jax.eval_shape(self._fresh, jax.random.key(0))
+        want = {
+            jax.tree_util.keystr(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]
+        }
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.pretrained)[0]:
+            name = jax.tree_util.keystr(path)
+            if name not in want:
+                raise ValueError(f"pretrained has {name}, which the model does not define")
+            shape = want.pop(name)
+            if tuple(np.shape(leaf)) != shape:
+                raise ValueError(
+                    f"pretrained{name} has shape {tuple(np.shape(leaf))}; the model expects {shape}"
+                )
+        if want:
+            raise ValueError(f"pretrained lacks {next(iter(want))}, which the model defines")
 
     # ------------------------------------------------------------------ variables
 
     def init(self, key: jax.Array) -> Variables:
-        """Fresh variables for the model and every condition encoder."""
+        """A copy of ``pretrained``, or fresh variables for the model and every encoder."""
+        if self.pretrained is not None:
+            # A copy: the trainer donates its parameters, the caller keeps theirs.
+            return jax.tree.map(jnp.array, self.pretrained)
+        return self._fresh(key)
+
+    def _fresh(self, key: jax.Array) -> Variables:
         model_key, *encoder_keys = jax.random.split(key, 1 + len(self.encoders))
         params: dict[str, Any] = {}
         cond = None

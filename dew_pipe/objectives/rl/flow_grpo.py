@@ -66,6 +66,8 @@ class FlowGRPOObjective:
         encoders: the condition encoders (see `DiffusionObjective`).
         autoencoder: an optional frozen autoencoder (see `DiffusionObjective`).
         eval_metrics: the metric consumers of evaluation (see `DiffusionObjective`).
+        pretrained: starting variables, e.g. a flow-matching run's final ``state.params``
+            (see `DiffusionObjective`); with ``beta > 0`` they are also the reference.
 
     Attributes:
         diffusion: the `DiffusionObjective` holding the inputs, encoders, autoencoder and
@@ -98,6 +100,7 @@ class FlowGRPOObjective:
         encoders: Mapping[str, Any] | None = None,
         autoencoder: Any = None,
         eval_metrics: Mapping[str, Callable[[jax.Array, Batch], jax.Array]] | None = None,
+        pretrained: Variables | None = None,
     ) -> None:
         self.diffusion = DiffusionObjective(
             model,
@@ -108,6 +111,7 @@ class FlowGRPOObjective:
             guidance=guidance,
             steps=steps,
             eval_metrics=eval_metrics,
+            pretrained=pretrained,
         )
         self.beta = check_float("beta", beta, minimum=0.0)
         self.clip = check_float("clip", clip, above=0.0, below=1.0)
@@ -124,7 +128,7 @@ class FlowGRPOObjective:
         return 1.0 if self.beta > 0 else None
 
     def init(self, key: jax.Array) -> Variables:
-        """Fresh variables (model and encoders), as `DiffusionObjective.init`."""
+        """``pretrained`` copied, or fresh variables (`DiffusionObjective.init`)."""
         return self.diffusion.init(key)
 
     def reference(self, params: Variables) -> Variables:
