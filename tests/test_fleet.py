@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -392,7 +393,6 @@ def test_process_count_is_bounded(escapes):
 
 def test_parent_killed_while_a_program_runs(shared_dir):
     """SIGKILL the process that owns the fleet: its program and a daemonized child die."""
-    tmp_path = shared_dir
     program = py(
         """
         import os, sys, time
@@ -405,20 +405,20 @@ def test_parent_killed_while_a_program_runs(shared_dir):
         open(os.path.join(folder, "program"), "w").write(str(os.getpid()))
         time.sleep(60)
         """,
-        str(tmp_path),
+        str(shared_dir),
     )
     script = textwrap.dedent(
         f"""
         import pickle, sys, time
         from dew_pipe.sandbox import ProcessRunner, SandboxFleet, SandboxLimits
         fleet = SandboxFleet(ProcessRunner(), SandboxLimits(wall_seconds=60), workers=1)
-        fleet.submit(pickle.loads({__import__("pickle").dumps(program)!r}))
+        fleet.submit(pickle.loads({pickle.dumps(program)!r}))
         time.sleep(60)
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
-        files = [tmp_path / "program", tmp_path / "escapee"]
+        files = [shared_dir / "program", shared_dir / "escapee"]
         assert wait_until(lambda: all(f.exists() and f.read_text() for f in files), 20)
         pids = [int(f.read_text()) for f in files]
         assert all(alive(pid) for pid in pids)
