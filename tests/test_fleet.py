@@ -553,6 +553,13 @@ def write(path):
         handle.write("x")
 def connect():
     socket.create_connection(("1.1.1.1", 53), timeout=2).close()
+def listing(path):
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
 write("/tmp/scratch")
 print(json.dumps({
     "interfaces": [name for _, name in socket.if_nameindex()],
@@ -563,7 +570,7 @@ print(json.dumps({
     "tmp": open("/tmp/scratch").read(),
     "cwd": os.getcwd(),
     "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
-    "root_listing": os.listdir("/root") if os.path.isdir("/root") else [],
+    "root_listing": listing("/root"),
     "secret": os.environ.get("DEW_TEST_SECRET"),
 }))
 """
