@@ -10,7 +10,8 @@
   `ContainerRunner` (a fresh Docker/Podman container per program).
 - ``fleet.py``: `SandboxFleet`, programs on worker threads through one runner.
 
-Names resolve lazily, so importing the package stays cheap.
+Linux only (prctl, /proc, namespaces). Names resolve lazily, so importing the package stays
+cheap.
 
 Example:
     >>> from dew_pipe.sandbox import Program, ProcessRunner, SandboxFleet, SandboxLimits
