@@ -15,13 +15,22 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-import threading
 import time
-from pathlib import Path
 
 import pytest
+from sandbox_helpers import (
+    DAEMONS,
+    FORK_BOMB,
+    FORKED_CHILD,
+    ROOT,
+    alive,
+    fork_bomb_limits,
+    marked,
+    py,
+    shared_folder,
+    wait_until,
+)
 
 from dew_pipe.sandbox import (
     BubblewrapRunner,
@@ -34,59 +43,8 @@ from dew_pipe.sandbox import (
     SandboxLimits,
     Verdict,
 )
-from dew_pipe.sandbox.launch import Launched, lease_uid, minimal_environment, run
 
-ROOT = os.geteuid() == 0
-# Programs run as an unprivileged uid under root, which may not read the test's own Python
-# (a pyenv build under /root); the system's python3 on the sandbox PATH serves everywhere.
-PY = shutil.which("python3", path=minimal_environment("/")["PATH"]) or sys.executable
-
-
-def py(code: str, *args: str, stdin: str | bytes = b"", **files: str) -> Program:
-    """A Python program: ``code`` as main.py, run with ``args``."""
-    return Program({"main.py": textwrap.dedent(code), **files}, [PY, "main.py", *args], stdin)
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def marked(marker: str) -> list[int]:
-    """Pids of live processes whose command line holds ``marker``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
-            try:
-                if marker.encode() in Path(f"/proc/{name}/cmdline").read_bytes() and alive(
-                    int(name)
-                ):
-                    found.append(int(name))
-            except OSError:
-                continue
-    return found
-
-
-def wait_until(predicate, seconds: float = 5.0) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-@pytest.fixture
-def shared_dir():
-    """A folder the program's own uid can write (pytest's tmp_path sits in a private one)."""
-    folder = Path(tempfile.mkdtemp(prefix="dew-fleet-test-"))
-    folder.chmod(0o777)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+shared_dir = pytest.fixture(shared_folder)
 
 
 # -- values ---------------------------------------------------------------------------------
@@ -255,47 +213,6 @@ def test_unread_stdin_is_no_failure(hostile):
 
 # -- nothing outlives its outcome --------------------------------------------------------
 
-FORKED_CHILD = """
-import os, time
-pid = os.fork()
-if pid == 0:
-    time.sleep(60)
-    os._exit(0)
-print(pid, flush=True)
-time.sleep(60)
-"""
-
-DAEMONS = """
-import os, sys, time
-def daemon(close_pipes):
-    if os.fork():
-        return
-    os.setsid()  # out of the program's session and process group
-    if os.fork():
-        os._exit(0)  # the grandchild is orphaned: a classic double-fork daemon
-    print(os.getpid(), flush=True)
-    if close_pipes:
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-    time.sleep(60)
-    os._exit(0)
-daemon(False)
-daemon(True)
-time.sleep(0.5)
-"""
-
-FORK_BOMB = """
-import os, sys
-marker = sys.argv[1]
-print(os.getuid(), flush=True)
-while True:
-    try:
-        os.fork()
-    except OSError:
-        pass
-"""
-
 FORK_COUNT = """
 import os, time
 made = 0
@@ -309,10 +226,6 @@ for _ in range(200):
         break
 print(made)
 """
-
-
-def fork_bomb_limits() -> SandboxLimits:
-    return SandboxLimits(wall_seconds=2, processes=16, memory_bytes=256 * 2**20)
 
 
 @pytest.fixture(scope="module")
@@ -347,33 +260,6 @@ def test_setsid_escapees_and_daemons_do_not_survive(escapes):
     pids = [int(line) for line in outcome.text.split()]
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
     assert outcome.seconds < 2  # the one that closed its pipes did not hold the run open
-
-
-def test_daemons_are_swept_without_a_uid_of_their_own(tmp_path):
-    """The caller's own uid (as when not root): only the subreaper finds the escapees."""
-    program = py(DAEMONS)
-    program.write(str(tmp_path))
-    done = run(program.argv, cwd=str(tmp_path), limits=SandboxLimits(), uid=None)
-    pids = [int(line) for line in done.stdout.split()]
-    assert done.exit_code == 0 and len(pids) == 2
-    assert not any(alive(pid) for pid in pids)
-
-
-@pytest.mark.skipif(not ROOT, reason="job uids are leased only by root")
-def test_a_leased_uid_starts_clean(shared_dir):
-    """A stale process of the uid (its supervisor SIGKILLed) dies before the next program."""
-    with lease_uid() as uid:
-        stale = subprocess.Popen(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"]
-        )
-        try:
-            assert wait_until(lambda: Path(f"/proc/{stale.pid}").stat().st_uid == uid)
-            done = run(["true"], cwd=str(shared_dir), limits=SandboxLimits(), uid=uid)
-            assert done.exit_code == 0
-            assert stale.wait(timeout=5) == -signal.SIGKILL
-        finally:
-            stale.kill()
-            stale.wait()
 
 
 def test_fork_bomb_is_contained_and_swept(escapes):
@@ -463,70 +349,6 @@ def test_sandbox_error_reaches_the_future():
         pytest.raises(SandboxError, match="no engine"),
     ):
         fleet.submit(Program({}, ["true"])).result()
-
-
-JSON_WORKER = """
-import json, os, sys, time
-for line in sys.stdin:
-    request = json.loads(line)
-    if request.get("hang"):
-        time.sleep(60)
-    if request.get("huge"):
-        print("x" * 100_000, flush=True)
-        continue
-    if request.get("quit"):
-        sys.exit(0)
-    print(json.dumps({"pid": os.getpid(), "twice": request["n"] * 2}), flush=True)
-"""
-
-
-def _worker(tmp_path) -> Launched:
-    (tmp_path / "worker.py").write_text(JSON_WORKER)
-    return Launched([PY, "worker.py"], cwd=str(tmp_path), limits=SandboxLimits())
-
-
-def _ask(launched: Launched, request: dict) -> dict:
-    launched.send(json.dumps(request).encode() + b"\n", timeout=5)
-    return json.loads(launched.receive_line(timeout=5, limit=1000))
-
-
-def test_launched_worker_talks_json_lines_and_outlives_its_starting_thread(tmp_path):
-    box: list[Launched] = []
-    thread = threading.Thread(target=lambda: box.append(_worker(tmp_path)))
-    thread.start()
-    thread.join()  # the launching thread has ended (a parent-death signal fires on that)
-    time.sleep(0.3)
-    with box[0] as launched:
-        replies = [_ask(launched, {"n": n}) for n in (1, 2, 3)]
-        assert [r["twice"] for r in replies] == [2, 4, 6]
-        pid = replies[0]["pid"]
-    assert not alive(pid)  # the context's exit stopped it
-    assert launched.wait()["stopped"] is True
-
-
-def test_launched_worker_failures_are_bounded(tmp_path):
-    with _worker(tmp_path) as launched:
-        pid = _ask(launched, {"n": 1})["pid"]
-        launched.send(b'{"huge": true}\n', timeout=5)
-        with pytest.raises(ValueError, match="longer than 1000 bytes"):
-            launched.receive_line(timeout=5, limit=1000)
-        launched.stop()  # a worker that broke the protocol is ended, never resynchronized
-    assert not alive(pid)
-
-    with _worker(tmp_path) as launched:
-        launched.send(b'{"hang": true}\n', timeout=5)
-        start = time.monotonic()
-        with pytest.raises(TimeoutError, match="no whole line within 0.5 s"):
-            launched.receive_line(timeout=0.5, limit=1000)
-        assert time.monotonic() - start < 2
-        with pytest.raises(TimeoutError, match="read none"):  # it no longer reads its stdin
-            launched.send(b"z" * (1 << 20), timeout=0.5)
-
-    with _worker(tmp_path) as launched:
-        launched.send(b'{"quit": true}\n', timeout=5)
-        with pytest.raises(EOFError):
-            launched.receive_line(timeout=5, limit=1000)
-        assert launched.wait()["exit"] == 0
 
 
 # -- bubblewrap --------------------------------------------------------------------------
