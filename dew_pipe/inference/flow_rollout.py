@@ -24,8 +24,15 @@ After each call :meth:`FlowRollout.metrics` reports the reward mean and standard
 the share of rows with zero advantage and the transitions trained; the Trainer logs them
 under ``rollout/``.
 
-On several processes each process samples and scores the rows of its own source rows
-(groups never straddle processes) and returns them; the Trainer assembles the global batch.
+On several processes (``jax.process_count() > 1``) the source rows of every process are
+gathered, in process order, byte for byte; every rank samples the whole global batch with
+the same key (the trainer's replicated rng), so all ranks hold the same trajectories; the
+reward runs on rank zero alone and its float64 scores reach the other ranks as bytes
+(`rewards_to_bytes`), never through a float32 device array; the group statistics are
+computed on the global rewards; and each process returns the rows of its own source rows
+(process ``p`` of ``P`` owns the ``p``-th contiguous block of ``N / P`` rows, whole groups),
+which the Trainer assembles into the global batch. One process is the special case with
+nothing to gather or send. Host memory thus grows with the global rollout size.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from dew_pipe._validate import check_int
 from dew_pipe.inference.flow_sampling import sample_trajectory, stochastic_marks
@@ -73,6 +81,22 @@ def rewards_to_bytes(rewards: np.ndarray) -> bytes:
 def rewards_from_bytes(data: bytes) -> np.ndarray:
     """The float64 rewards `rewards_to_bytes` wrote, bit for bit."""
     return np.frombuffer(data, dtype="<f8").astype(np.float64)
+
+
+def _gather_rows(array: np.ndarray) -> np.ndarray:
+    """Every process's rows of ``array``, in process order, bit for bit (as raw bytes, so a
+    float64 column is not narrowed by a device without x64)."""
+    array = np.ascontiguousarray(array)
+    raw = array.view(np.uint8).reshape(array.shape[0], -1)
+    gathered = np.asarray(multihost_utils.process_allgather(raw, tiled=True), np.uint8)
+    return np.ascontiguousarray(gathered).view(array.dtype).reshape(-1, *array.shape[1:])
+
+
+def _broadcast_rewards(rewards: np.ndarray | None, rows: int) -> np.ndarray:
+    """Rank zero's float64 rewards on every process, sent as bytes."""
+    data = rewards_to_bytes(rewards) if rewards is not None else bytes(8 * rows)
+    sent = multihost_utils.broadcast_one_to_all(np.frombuffer(data, np.uint8))
+    return rewards_from_bytes(np.asarray(sent, np.uint8).tobytes())
 
 
 def _repeat(batch: Mapping[str, Any], groups: int) -> dict[str, np.ndarray]:
@@ -175,11 +199,13 @@ class FlowRollout:
                 that is not ``N`` finite real numbers (naming the sample).
         """
         inputs = self.diffusion.inputs
-        sources = inputs.rows(batch)
-        rows = sources * self.groups
+        local = inputs.rows(batch) * self.groups
+        several = jax.process_count() > 1
+        if several:
+            batch = {name: _gather_rows(np.asarray(value)) for name, value in batch.items()}
+        rows = inputs.rows(batch) * self.groups
         repeated = _repeat(batch, self.groups)
         conditions = inputs.condition_fields(repeated)
-        key = jax.random.fold_in(key, jax.process_index())
         trajectory = sample_trajectory(
             self.diffusion,
             state.params,
@@ -190,7 +216,11 @@ class FlowRollout:
             stochastic=self.stochastic,
         )
         images = np.asarray(self.diffusion.decode(trajectory.states[:, -1]), np.float32)
-        rewards = _scores(self.reward(images, repeated), rows)
+        rewards = None
+        if jax.process_index() == 0:
+            rewards = _scores(self.reward(images, repeated), rows)
+        if several:
+            rewards = _broadcast_rewards(rewards, rows)
         advantages = group_advantages(rewards, self.groups)
         self.last_rewards = rewards
         selected = self.selected
@@ -217,6 +247,9 @@ class FlowRollout:
             "advantage/zero": float((advantages == 0).mean()),
             "transitions": float(keep.sum() * len(selected)),
         }
+        if several:  # this process's rows: the block of its own source rows, whole groups
+            start = jax.process_index() * local
+            out = {name: value[start : start + local] for name, value in out.items()}
         return out
 
     def metrics(self) -> dict[str, float]:
