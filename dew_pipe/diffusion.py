@@ -9,7 +9,7 @@ so ``dx_t / dt = v`` and the model is trained to predict ``v`` ("velocity predic
 Sampling integrates from noise to data over a grid ``1 = t_0 > t_1 > ... > t_K = 0``
 (`Process.timesteps`; ``K + 1`` time points make ``K`` transitions).
 
-Flow-GRPO (Liu et al. 2025, eq. 8-9) turns the ODE into an SDE with the same marginals,
+Flow-GRPO (Liu et al. 2025, section 4) turns the ODE into an SDE with the same marginals,
 
     dx_t = [v(x_t, t) + sigma_t^2 / (2 t) * (x_t + (1 - t) v(x_t, t))] dt + sigma_t dw,
     sigma_t = a * sqrt(t / (1 - t)),        a = ``noise_level``,

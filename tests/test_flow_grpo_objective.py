@@ -2,13 +2,13 @@
 
 References are written here, independently of the library:
 
-* the SDE transition (Flow-GRPO, Liu et al. 2025, eq. 8, Euler-Maruyama from t to s = t - h):
+* the SDE transition (Flow-GRPO, Liu et al. 2025, section 4, Euler-Maruyama from t to s = t - h):
   ``x_s = x_t + [v + sigma_t^2 / (2 t) (x_t + (1 - t) v)] (s - t) + sigma_t sqrt(h) z`` with
   ``sigma_t = a sqrt(t / (1 - t))`` (``1 - t_1`` in the denominator at t = 1), and its
   Gaussian log density, computed in NumPy float64 with ``scipy``-free formulas;
 * the KL between two Gaussians, ``log(s2 / s1) + (s1^2 + (m1 - m2)^2) / (2 s2^2) - 1/2`` per
   coordinate, here with ``s1 = s2 = sigma_t sqrt(h)`` and averaged over coordinates;
-* the policy objective (eq. 10): ``r = exp(log p_theta - log p_old)`` with per-coordinate
+* the policy objective (section 4): ``r = exp(log p_theta - log p_old)`` with per-coordinate
   mean log densities, ``min(r A, clip(r, 1 - eps, 1 + eps) A) - beta KL`` averaged over the
   selected transitions, negated to a loss;
 * group statistics: ``(r - mean) / (pstdev + 1e-4)`` with Python's ``statistics`` module.
@@ -71,7 +71,7 @@ def _sigma(t: float, t_first: float) -> float:
 
 
 def _sde_mean(x, v, t, s, sigma):
-    """Euler-Maruyama drift step of eq. 8, written as the SDE reads (float64)."""
+    """Euler-Maruyama drift step of the SDE, written as the SDE reads (float64)."""
     return x + (v + sigma**2 / (2.0 * t) * (x + (1.0 - t) * v)) * (s - t)
 
 

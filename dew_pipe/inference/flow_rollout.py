@@ -192,7 +192,8 @@ class FlowRollout:
 
         Returns:
             The Flow-GRPO batch (`FlowGRPOObjective.validate` lists its fields) plus the
-            repeated condition fields.
+            repeated condition fields: ``B * G`` rows, or on several processes the rows of
+            this process's source rows (module docstring).
 
         Raises:
             ValueError, TypeError: a batch without the spec's fields, or a reward result

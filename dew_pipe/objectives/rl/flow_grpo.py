@@ -4,7 +4,7 @@ The rollout (`~dew_pipe.inference.flow_rollout.FlowRollout`) samples SDE paths w
 `~dew_pipe.inference.flow_sampling.sample_trajectory`, scores the samples and hands over,
 for each of ``N`` samples and ``T`` selected stochastic transitions ``x_t -> x_s``
 (``h = t - s``), the batch described in `FlowGRPOObjective.validate`. The loss follows the
-paper's objective (eq. 10 and section 4), negated for minimisation:
+paper's objective (section 4), negated for minimisation:
 
     mu_theta   = transition mean of the SDE step from x_t under v_theta      (diffusion.py)
     std        = sigma_t sqrt(h)
