@@ -53,8 +53,8 @@ def _objective(beta=0.0, clip=1e-4):
 def _perturbed(variables, seed, scale=0.2):
     """Variables moved off the zero initialisation, so every layer matters."""
     leaves, tree = jax.tree.flatten(variables)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noise = [scale * jax.random.normal(k, leaf.shape) for leaf, k in zip(leaves, keys, strict=True)]
+    rng = np.random.default_rng(seed)  # host noise: no compile per leaf shape
+    noise = [scale * rng.normal(size=leaf.shape).astype(np.float32) for leaf in leaves]
     return jax.tree.unflatten(tree, [leaf + n for leaf, n in zip(leaves, noise, strict=True)])
 
 
