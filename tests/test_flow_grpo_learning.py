@@ -3,9 +3,11 @@
 The reward is the contrast between the top and the bottom half of a 4x4 image (a brightness
 reward would also be satisfied by a uniformly bright image; this one needs structure). The
 untrained DiT predicts zero velocity, so its samples are structureless noise with a mean
-contrast near 0; the test asserts that after 32 Flow-GRPO updates fresh samples, drawn with
+contrast near 0; the test asserts that after 48 Flow-GRPO updates fresh samples, drawn with
 keys the training never used, score at least 0.5 more on average (the contrast lies in
-[-2, 2]), and that the rollout's own reward curve rose too.
+[-2, 2]), and that the rollout's own reward curve rose too. With Adam at 1e-2 the rollout
+reward passed 1.0 within 48 updates for trainer keys 0, 1 and 2 (at 3e-2 one of them
+saturated to a flat image, whose tied rewards teach nothing).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def test_flow_grpo_raises_the_mean_reward_of_fresh_samples():
     records = []
     trainer = Trainer(
         objective,
-        optax.adam(3e-2),
+        optax.adam(1e-2),
         key=jax.random.key(0),
         rollout=rollout,
         log=records.append,
@@ -53,7 +55,7 @@ def test_flow_grpo_raises_the_mean_reward_of_fresh_samples():
     )
     start = trainer.initial_state()
     before = _mean_reward(objective, start.params, seed=1000)
-    state = trainer.fit(data, steps=32, log_every=4)
+    state = trainer.fit(data, steps=48, log_every=4)
     after = _mean_reward(objective, state.params, seed=1000)
     assert abs(before) < 0.2, before
     print(f"mean contrast of fresh samples: {before:.3f} -> {after:.3f}")
