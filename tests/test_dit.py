@@ -290,3 +290,21 @@ def test_pretrained_variables_start_the_objective_and_are_checked():
         DiffusionObjective(wide.model, presets.Flow()(), inputs, pretrained=variables)
     with pytest.raises(ValueError, match="expected a full variables mapping"):
         DiffusionObjective(_dit(), presets.Flow()(), inputs, pretrained=variables["params"])
+
+
+@pytest.mark.slow
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    for name in (
+        "dew_pipe.inputs",
+        "dew_pipe.diffusion",
+        "dew_pipe.presets",
+        "dew_pipe.models.dit",
+        "dew_pipe.objectives.diffusion",
+        "dew_pipe.objectives.rl.flow_grpo",
+        "dew_pipe.inference.flow_rollout",
+    ):
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, name

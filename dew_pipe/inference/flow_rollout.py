@@ -64,7 +64,7 @@ def group_advantages(rewards: np.ndarray, groups: int) -> np.ndarray:
 
     Example:
         >>> group_advantages(np.array([1.0, 3.0, 2.0, 2.0]), 2).tolist()
-        [-0.9999000024795532, 0.9999000024795532, 0.0, 0.0]
+        [-0.9998999834060669, 0.9998999834060669, 0.0, 0.0]
     """
     rewards = np.asarray(rewards, np.float64)
     grouped = rewards.reshape(-1, groups)
