@@ -26,6 +26,7 @@ import time
 
 import jax
 import numpy as np
+from machine import print_machine
 
 from dew_pipe.sampling import Sampling
 from dew_pipe.tasks import ArithmeticTask
@@ -134,4 +135,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import print_machine
+
 MODES = ("sync-2core", "sync-1core", "sync-pipeline", "async")
 EXTRA = ("async-inprocess", "async-unpinned")
 TRAINER_CPU, SERVER_CPU = 0, 1
@@ -505,4 +507,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

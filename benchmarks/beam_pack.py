@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import print_machine
 from packing import skewed_sessions  # noqa: E402  (the mix benchmarks/packing.py measures)
 
 from dew_pipe import batches  # noqa: E402
@@ -122,4 +123,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from machine import print_machine
 from reference import add_reference_argument, reference_python
 
 CONFIG = dict(
@@ -372,4 +373,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

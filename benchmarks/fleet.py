@@ -23,6 +23,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from machine import print_machine
+
 from dew_pipe.sandbox import (
     BubblewrapRunner,
     ProcessRunner,
@@ -149,4 +151,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+from machine import print_machine
 
 from dew_pipe import Trainer, presets
 from dew_pipe.cli import load_file
@@ -116,4 +117,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

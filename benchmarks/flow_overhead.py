@@ -18,6 +18,7 @@ import argparse
 import time
 
 import numpy as np
+from machine import print_machine
 
 from dew_pipe.batches import packed_from_arrow, packed_schema, packed_to_arrow
 from dew_pipe.flow import Map, Pipeline, Sink, Source
@@ -101,4 +102,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import print_machine
 from reference import add_reference_argument, reference_python
 
 CONFIG = dict(
@@ -208,4 +209,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

@@ -33,6 +33,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from machine import print_machine
 from story_prelude import story_decoder  # noqa: E402
 
 from dew_pipe import Dataset, Sampling, Trainer  # noqa: E402
@@ -135,4 +136,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()

@@ -21,6 +21,7 @@ import argparse
 import time
 
 import numpy as np
+from machine import print_machine
 
 from dew_pipe.objectives.rl.sessions import Call, Session, chain_lengths, pack, rows_needed
 
@@ -116,4 +117,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    print_machine()
     main()
