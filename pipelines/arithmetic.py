@@ -46,7 +46,6 @@ from typing import Any
 
 import jax
 import optax
-from dew_pipe.stages import GraphSettings, TaskBatches, build_graph, rescorer
 
 from dew_pipe import Trainer
 from dew_pipe._validate import check_float, check_int
@@ -54,6 +53,7 @@ from dew_pipe.flow import Cancelled, Pipeline, RunContext
 from dew_pipe.inference import NativeRolloutServer, PromptSource, Server, ServeTask
 from dew_pipe.objectives.rl import GRPOObjective, prompt_tasks
 from dew_pipe.sampling import Sampling
+from dew_pipe.stages import GraphSettings, TaskBatches, build_graph, rescorer
 from dew_pipe.tasks import ArithmeticTask
 from dew_pipe.tasks.plot import plot_run
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft

@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from dew_pipe.stages import TaskBatches, grpo_pipeline
-from dew_pipe.stages.messages import SchedulerRecord
 
 from dew_pipe import Dataset, Trainer, models
 from dew_pipe.data.text_columns import encode_text_column
 from dew_pipe.flow import Pipeline, RunContext
 from dew_pipe.objectives.rl import GRPOObjective, prompt_tasks
 from dew_pipe.objectives.rl.sessions import Call, Session, Task
+from dew_pipe.stages import TaskBatches, grpo_pipeline
+from dew_pipe.stages.messages import SchedulerRecord
 
 EOS = 1  # the toy vocabulary's end-of-sequence id; 0 pads
 

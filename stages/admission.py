@@ -50,12 +50,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from dew_pipe.stages.messages import Handover, Orders, Plan, Resubmit, SchedulerRecord, Stamps
 
 from dew_pipe._validate import check_int
 from dew_pipe.objectives.rl.packing import TRUNCATIONS, chain_lengths, pack, rows_needed
 from dew_pipe.objectives.rl.session_stats import session_metrics
 from dew_pipe.objectives.rl.sessions import Session, Status
+from dew_pipe.stages.messages import Handover, Orders, Plan, Resubmit, SchedulerRecord, Stamps
 
 __all__ = ["OUTCOMES", "Admission", "Kept", "Ticket"]
 

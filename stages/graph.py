@@ -42,6 +42,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+
+from dew_pipe._validate import check_float, check_int
+from dew_pipe.batches import TASKS_SCHEMA, tasks_to_arrow
+from dew_pipe.data.dataset import Dataset, Partition
+from dew_pipe.flow import Pipeline, Source, Stage
+from dew_pipe.objectives.rl.advantages import ESTIMATORS
+from dew_pipe.objectives.rl.packing import TRUNCATIONS
+from dew_pipe.objectives.rl.session_arrow import task_row
+from dew_pipe.objectives.rl.sessions import SessionSource, Task
+from dew_pipe.objectives.rl.task_rows import task_ids
 from dew_pipe.stages.handoff import Handoff, served_version
 from dew_pipe.stages.journal import Journal
 from dew_pipe.stages.pack import Pack
@@ -55,16 +65,6 @@ from dew_pipe.stages.rescore import Rescore
 from dew_pipe.stages.reward import Reward, Score
 from dew_pipe.stages.rollout import Rollout
 from dew_pipe.stages.train import Train, UpdateLog
-
-from dew_pipe._validate import check_float, check_int
-from dew_pipe.batches import TASKS_SCHEMA, tasks_to_arrow
-from dew_pipe.data.dataset import Dataset, Partition
-from dew_pipe.flow import Pipeline, Source, Stage
-from dew_pipe.objectives.rl.advantages import ESTIMATORS
-from dew_pipe.objectives.rl.packing import TRUNCATIONS
-from dew_pipe.objectives.rl.session_arrow import task_row
-from dew_pipe.objectives.rl.sessions import SessionSource, Task
-from dew_pipe.objectives.rl.task_rows import task_ids
 
 if TYPE_CHECKING:  # a type only: the objective module loads JAX
     from dew_pipe.objectives.rl.grpo import GRPOObjective

@@ -33,12 +33,12 @@ import time
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.messages import Handed, Handover, Proximal, SchedulerRecord, Step
-from dew_pipe.stages.protocols import WeightsPublisher
 
 from dew_pipe._validate import check_int
 from dew_pipe.batches import packed_schema
 from dew_pipe.flow import EndOfStream, Port, Stage, StageContext
+from dew_pipe.stages.messages import Handed, Handover, Proximal, SchedulerRecord, Step
+from dew_pipe.stages.protocols import WeightsPublisher
 
 __all__ = ["Handoff", "publish", "served_version"]
 

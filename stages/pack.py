@@ -22,12 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.admission import Admission, Kept
-from dew_pipe.stages.journal import Entry, Journal
-from dew_pipe.stages.messages import SESSION_ROWS, Handover, Orders, Plan, SchedulerRecord
 
 from dew_pipe.batches import packed_schema, packed_to_arrow
 from dew_pipe.flow import EndOfStream, Port, Stage, StageContext
+from dew_pipe.stages.admission import Admission, Kept
+from dew_pipe.stages.journal import Entry, Journal
+from dew_pipe.stages.messages import SESSION_ROWS, Handover, Orders, Plan, SchedulerRecord
 
 __all__ = ["Pack"]
 

@@ -15,11 +15,11 @@ until that batch's update runs, which waits for this stage's output.
 from __future__ import annotations
 
 import numpy as np
-from dew_pipe.stages.messages import Proximal
-from dew_pipe.stages.protocols import LikelihoodScorer
 
 from dew_pipe.batches import packed_from_arrow, packed_schema, packed_to_arrow
 from dew_pipe.flow import EndOfStream, Stage, StageContext
+from dew_pipe.stages.messages import Proximal
+from dew_pipe.stages.protocols import LikelihoodScorer
 
 __all__ = ["Rescore"]
 

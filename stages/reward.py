@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pyarrow as pa
-from dew_pipe.stages.messages import SESSION_ROWS, stamp_sessions, unstamp_sessions
 
 from dew_pipe.flow import Map
 from dew_pipe.objectives.rl.sessions import Session, Status, Task
+from dew_pipe.stages.messages import SESSION_ROWS, stamp_sessions, unstamp_sessions
 
 __all__ = ["Reward", "Score"]
 

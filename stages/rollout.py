@@ -37,6 +37,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
+
+from dew_pipe._validate import check_float, check_int
+from dew_pipe.batches import TASKS_SCHEMA, tasks_from_arrow
+from dew_pipe.flow import Cancelled, EndOfStream, Port, Stage, StageContext
+from dew_pipe.objectives.rl.session_arrow import task_from_row
+from dew_pipe.objectives.rl.sessions import Session, SessionSource, Status, Task
 from dew_pipe.stages.journal import Entry, Journal
 from dew_pipe.stages.messages import (
     SESSION_ROWS,
@@ -46,12 +52,6 @@ from dew_pipe.stages.messages import (
     Stamps,
     stamp_sessions,
 )
-
-from dew_pipe._validate import check_float, check_int
-from dew_pipe.batches import TASKS_SCHEMA, tasks_from_arrow
-from dew_pipe.flow import Cancelled, EndOfStream, Port, Stage, StageContext
-from dew_pipe.objectives.rl.session_arrow import task_from_row
-from dew_pipe.objectives.rl.sessions import Session, SessionSource, Status, Task
 
 __all__ = ["Rollout"]
 

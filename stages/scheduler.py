@@ -45,6 +45,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow
+from dew_pipe.data.dataset import Dataset, Partition
+from dew_pipe.flow import EndOfStream, FlowError, FlowSnapshot, Inlet, Outlet, Run
+from dew_pipe.objectives.rl.sessions import SessionSource, Task
+from dew_pipe.objectives.rl.task_rows import task_ids
 from dew_pipe.stages.admission import Ticket
 from dew_pipe.stages.graph import GraphSettings, build_graph, rescorer, task_batch
 from dew_pipe.stages.handoff import served_version
@@ -53,12 +59,6 @@ from dew_pipe.stages.messages import Handed, SchedulerRecord, Step
 from dew_pipe.stages.pack import Pack
 from dew_pipe.stages.protocols import LikelihoodScorer, TrainingState, WeightsPublisher
 from dew_pipe.stages.reward import Score
-
-from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow
-from dew_pipe.data.dataset import Dataset, Partition
-from dew_pipe.flow import EndOfStream, FlowError, FlowSnapshot, Inlet, Outlet, Run
-from dew_pipe.objectives.rl.sessions import SessionSource, Task
-from dew_pipe.objectives.rl.task_rows import task_ids
 
 if TYPE_CHECKING:  # a type only: the objective module loads JAX
     from dew_pipe.objectives.rl.grpo import GRPOObjective

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 import jax
 import pyarrow as pa
-from dew_pipe.stages.handoff import Handoff, Ports
-from dew_pipe.stages.messages import Handover, Proximal, SchedulerRecord
-from dew_pipe.stages.protocols import TrainingState, TrainingStep, WeightsPublisher
 
 from dew_pipe._validate import check_int
 from dew_pipe.batches import packed_from_arrow
 from dew_pipe.flow import Cancelled, Port, StageContext
+from dew_pipe.stages.handoff import Handoff, Ports
+from dew_pipe.stages.messages import Handover, Proximal, SchedulerRecord
+from dew_pipe.stages.protocols import TrainingState, TrainingStep, WeightsPublisher
 
 __all__ = ["Train", "UpdateLog"]
 

@@ -23,13 +23,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dew_pipe.stages.journal import Entry, Journal, read_journal
 from rollout_fakes import FakeObjective, FakeSource, FakeWeights, Outcome, task_data
 
 from dew_pipe.batches import read_parquet, sessions_schema
 from dew_pipe.data.dataset import Partition
 from dew_pipe.objectives.rl import RolloutScheduler
 from dew_pipe.objectives.rl.sessions import Call, Session, from_arrow
+from dew_pipe.stages.journal import Entry, Journal, read_journal
 from dew_pipe.training.data_stream import BatchStream
 
 W = 16
@@ -394,11 +394,11 @@ def test_a_run_killed_mid_stream_resumes_without_losing_or_repeating_sessions(tm
 def test_the_pipeline_view_replays_the_journal_through_the_same_graph(tmp_path):
     import jax
     import optax
-    from dew_pipe.stages import TaskBatches, grpo_pipeline
     from grpo_helpers import WIDTH, tiny_decoder
 
     from dew_pipe import Trainer
     from dew_pipe.objectives.rl import GRPOObjective, task_ids
+    from dew_pipe.stages import TaskBatches, grpo_pipeline
 
     Journal(tmp_path).record(
         [entry(2, 0, 4, 0, 2, seed=1), entry(2, 1, 5, 1, 1, seed=2), entry(3, 1, 7, 0, 2, seed=3)]

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from dew_pipe.stages.admission import Admission
-from dew_pipe.stages.messages import Handover, Plan, Stamps
 
 from dew_pipe.objectives.rl.sessions import Call, Session, pack
+from dew_pipe.stages.admission import Admission
+from dew_pipe.stages.messages import Handover, Plan, Stamps
 
 W = 16
 

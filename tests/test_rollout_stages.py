@@ -4,6 +4,13 @@ import threading
 
 import numpy as np
 import pytest
+from rollout_fakes import FakeObjective, FakeSource, FakeState, FakeWeights, Outcome, task_data
+
+from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow, packed_schema, packed_to_arrow
+from dew_pipe.data.dataset import Dataset
+from dew_pipe.flow import BuildError, Pipeline, Sink, Source, StageFailed
+from dew_pipe.objectives.rl.session_arrow import task_from_row, task_row
+from dew_pipe.objectives.rl.sessions import Call, Session, Task, pack
 from dew_pipe.stages import (
     Pack,
     Rescore,
@@ -23,13 +30,6 @@ from dew_pipe.stages.messages import (
     stamp_sessions,
     unstamp_sessions,
 )
-from rollout_fakes import FakeObjective, FakeSource, FakeState, FakeWeights, Outcome, task_data
-
-from dew_pipe.batches import TASKS_SCHEMA, packed_from_arrow, packed_schema, packed_to_arrow
-from dew_pipe.data.dataset import Dataset
-from dew_pipe.flow import BuildError, Pipeline, Sink, Source, StageFailed
-from dew_pipe.objectives.rl.session_arrow import task_from_row, task_row
-from dew_pipe.objectives.rl.sessions import Call, Session, Task, pack
 
 W = 16
 
