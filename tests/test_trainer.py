@@ -556,3 +556,23 @@ def test_eight_simulated_devices_give_the_update_of_one():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "dew_pipe.training",
+        "dew_pipe.training.objective",
+        "dew_pipe.training.step",
+        "dew_pipe.training.checkpoints",
+        "dew_pipe.training.log",
+        "dew_pipe.training.data_stream",
+        "dew_pipe._jsonl",
+    ],
+)
+def test_training_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0

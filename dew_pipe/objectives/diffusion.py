@@ -48,7 +48,7 @@ import numpy as np
 from dew_pipe._validate import check_float, check_int
 from dew_pipe.diffusion import Process
 from dew_pipe.inputs import InputSpec, pixels
-from dew_pipe.training.objective import Batch, Metrics, Variables, check_variables
+from dew_pipe.training.objective import Batch, Metrics, Variables, check_shapes, check_variables
 
 __all__ = ["DiffusionObjective"]
 
@@ -167,22 +167,7 @@ class DiffusionObjective:
             self._check_pretrained()
 
     def _check_pretrained(self) -> None:
-        expected = jax.eval_shape(self._fresh, jax.random.key(0))
-        want = {
-            jax.tree_util.keystr(path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]
-        }
-        for path, leaf in jax.tree_util.tree_flatten_with_path(self.pretrained)[0]:
-            name = jax.tree_util.keystr(path)
-            if name not in want:
-                raise ValueError(f"pretrained has {name}, which the model does not define")
-            shape = want.pop(name)
-            if tuple(np.shape(leaf)) != shape:
-                raise ValueError(
-                    f"pretrained{name} has shape {tuple(np.shape(leaf))}; the model expects {shape}"
-                )
-        if want:
-            raise ValueError(f"pretrained lacks {next(iter(want))}, which the model defines")
+        check_shapes(self.pretrained, jax.eval_shape(self._fresh, jax.random.key(0)))
 
     # ------------------------------------------------------------------ variables
 

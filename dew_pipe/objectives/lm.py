@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew_pipe.training.objective import Variables, check_variables
+from dew_pipe.training.objective import Variables, check_shapes, check_variables
 
 __all__ = ["LMObjective", "summarize_nll", "target_mask"]
 
@@ -144,20 +144,7 @@ class LMObjective:
 
     def _check_pretrained(self) -> None:
         expected = jax.eval_shape(self.model.init, jax.random.key(0), self._example())
-        got = jax.tree_util.tree_flatten_with_path(self.pretrained)[0]
-        want = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-        for path, leaf in got:
-            name = jax.tree_util.keystr(path)
-            if path not in want:
-                raise ValueError(f"pretrained has {name}, which the model does not define")
-            shape = want.pop(path).shape
-            if tuple(np.shape(leaf)) != tuple(shape):
-                raise ValueError(
-                    f"pretrained{name} has shape {tuple(np.shape(leaf))}; the model expects {tuple(shape)}"
-                )
-        if want:
-            name = jax.tree_util.keystr(next(iter(want)))
-            raise ValueError(f"pretrained lacks {name}, which the model defines")
+        check_shapes(self.pretrained, expected)
 
     def init(self, key: jax.Array) -> Variables:
         """A copy of ``pretrained``, or a random initialization from ``key``."""

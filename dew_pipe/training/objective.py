@@ -24,8 +24,9 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
-__all__ = ["Batch", "Metrics", "Objective", "Variables", "check_variables"]
+__all__ = ["Batch", "Metrics", "Objective", "Variables", "check_shapes", "check_variables"]
 
 Variables = Mapping[str, Any]
 """A full Flax variables mapping: ``{"params": {...}}`` plus any other collections."""
@@ -120,3 +121,40 @@ def check_variables(value: Any, field: str) -> Variables:
             "collection (wrap a bare tree as {'params': tree})"
         )
     return value
+
+
+def check_shapes(value: Any, expected: Any, field: str = "pretrained") -> None:
+    """Check that the tree ``value`` has exactly the leaves and shapes of ``expected``.
+
+    Args:
+        value: the candidate variables, e.g. a ``pretrained=`` argument.
+        expected: the tree the model defines, typically ``jax.eval_shape(model.init, ...)``
+            (anything with a ``.shape`` per leaf).
+        field: how to name ``value`` in errors.
+
+    Raises:
+        ValueError: a leaf the model does not define, one it defines that ``value`` lacks,
+            or a leaf of another shape; each named by its path.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> check_shapes({"params": {"w": jnp.zeros(3)}}, {"params": {"w": jnp.zeros(4)}})
+        Traceback (most recent call last):
+        ...
+        ValueError: pretrained['params']['w'] has shape (3,); the model expects (4,)
+    """
+    want = {
+        jax.tree_util.keystr(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]
+    }
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        name = jax.tree_util.keystr(path)
+        if name not in want:
+            raise ValueError(f"{field} has {name}, which the model does not define")
+        shape = want.pop(name)
+        if tuple(np.shape(leaf)) != shape:
+            raise ValueError(
+                f"{field}{name} has shape {tuple(np.shape(leaf))}; the model expects {shape}"
+            )
+    if want:
+        raise ValueError(f"{field} lacks {next(iter(want))}, which the model defines")

@@ -39,7 +39,7 @@ from dew_pipe.objectives.rl.grpo_batches import (
     validate_prompts,
 )
 from dew_pipe.objectives.rl.policy import PolicyOptions, policy_loss
-from dew_pipe.training.objective import Variables, check_variables
+from dew_pipe.training.objective import Variables, check_shapes, check_variables
 
 __all__ = ["GRPOObjective", "prompt_rows", "token_log_probs"]
 
@@ -264,21 +264,7 @@ class GRPOObjective:
 
     def _check_pretrained(self) -> None:
         expected = jax.eval_shape(self.model.init, jax.random.key(0), self._example())
-        want = {
-            jax.tree_util.keystr(p): tuple(x.shape)
-            for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]
-        }
-        for path, leaf in jax.tree_util.tree_flatten_with_path(self.pretrained)[0]:
-            name = jax.tree_util.keystr(path)
-            if name not in want:
-                raise ValueError(f"pretrained has {name}, which the model does not define")
-            shape = want.pop(name)
-            if tuple(np.shape(leaf)) != shape:
-                raise ValueError(
-                    f"pretrained{name} has shape {tuple(np.shape(leaf))}; the model expects {shape}"
-                )
-        if want:
-            raise ValueError(f"pretrained lacks {next(iter(want))}, which the model defines")
+        check_shapes(self.pretrained, expected)
 
     def init(self, key: jax.Array) -> Variables:
         """A copy of ``pretrained``, or a random initialization from ``key``."""
