@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import dataclasses
-import enum
 import itertools
 import math
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from dew_pipe._validate import check_int
-from dew_pipe.objectives.rl.session_records import Call
+from dew_pipe.objectives.rl.session_records import Call, ParsedStatus
 from dew_pipe.objectives.rl.session_records import _ids as _token_ids
 
 __all__ = [
@@ -75,7 +74,7 @@ def is_cancellation(error: BaseException) -> bool:
     return isinstance(error, CANCELLATIONS)
 
 
-class EpisodeStatus(enum.StrEnum):
+class EpisodeStatus(ParsedStatus):
     """Where an episode stands after an observation."""
 
     RUNNING = "running"
@@ -88,22 +87,6 @@ class EpisodeStatus(enum.StrEnum):
     """Stopped from outside (a cancellation); never trains."""
     ERROR = "error"
     """The environment or its resources failed; never trains."""
-
-    @classmethod
-    def parse(cls, value: EpisodeStatus | str) -> EpisodeStatus:
-        """Accept an EpisodeStatus, its value (``"running"``) or its name (``"RUNNING"``).
-
-        Raises:
-            ValueError: anything else, listing the statuses.
-        """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            if value in cls._value2member_map_:
-                return cls(value)
-            if value in cls.__members__:
-                return cls[value]
-        raise ValueError(f"status is {value!r}; expected one of {[s.value for s in cls]}")
 
 
 class Origin:

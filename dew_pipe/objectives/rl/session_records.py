@@ -22,35 +22,24 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Call", "Session", "SessionSource", "Status", "Task", "check_sessions"]
+__all__ = ["Call", "ParsedStatus", "Session", "SessionSource", "Status", "Task", "check_sessions"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-class Status(enum.StrEnum):
-    """How a session ended; decides whether and how it trains (see :func:`pack`)."""
-
-    COMPLETED = "completed"
-    """The harness finished and the verifier scored it. Trains on its reward."""
-    TRUNCATED = "truncated"
-    """A context, token, turn or time limit ended it. Trains as ``pack(truncation=...)`` says."""
-    AGENT_ERROR = "agent_error"
-    """The policy's own failure (bad tool call, crash it caused). Trains on its reward."""
-    INFRA_ERROR = "infra_error"
-    """Infrastructure failed (engine, sandbox, verifier). Never trains; retried by schedulers."""
-    CANCELLED = "cancelled"
-    """Stopped from outside (timeout, staleness, admission). Never trains."""
+class ParsedStatus(enum.StrEnum):
+    """A status enum that reads its members from their values or names (`parse`)."""
 
     @classmethod
-    def parse(cls, value: Status | str) -> Status:
-        """Accept a Status, its value (``"completed"``) or its name (``"COMPLETED"``).
+    def parse(cls, value: Any) -> Self:
+        """Accept a member, its value (``"completed"``) or its name (``"COMPLETED"``).
 
         Raises:
-            ValueError: anything else.
+            ValueError: anything else, listing the names.
 
         Example:
             >>> Status.parse("TRUNCATED") is Status.TRUNCATED
@@ -64,6 +53,21 @@ class Status(enum.StrEnum):
             if value in cls.__members__:
                 return cls[value]
         raise ValueError(f"status: expected one of {[s.name for s in cls]}, got {value!r}")
+
+
+class Status(ParsedStatus):
+    """How a session ended; decides whether and how it trains (see :func:`pack`)."""
+
+    COMPLETED = "completed"
+    """The harness finished and the verifier scored it. Trains on its reward."""
+    TRUNCATED = "truncated"
+    """A context, token, turn or time limit ended it. Trains as ``pack(truncation=...)`` says."""
+    AGENT_ERROR = "agent_error"
+    """The policy's own failure (bad tool call, crash it caused). Trains on its reward."""
+    INFRA_ERROR = "infra_error"
+    """Infrastructure failed (engine, sandbox, verifier). Never trains; retried by schedulers."""
+    CANCELLED = "cancelled"
+    """Stopped from outside (timeout, staleness, admission). Never trains."""
 
 
 @dataclasses.dataclass(frozen=True)
