@@ -5,6 +5,8 @@
 - ``text.py``: `TextGeneration`, a policy that turns token contexts into `Generation` records.
 - ``sampled_rollout.py``: `SampledRollout`, the trainer's synchronous GRPO rollout hook.
 - ``prompt_source.py``: `PromptSource`, sessions sampled from a rollout server and scored.
+- ``environment_source.py``: `EnvironmentSource`, multi-turn tool episodes whose turns are
+  drawn from a rollout server.
 - ``reward_function.py``: `RewardFunction`, the per-completion reward both of them call.
 - ``flow_sampling.py``, ``flow_rollout.py``: `sample_trajectory` (a rectified-flow model's SDE
   paths with their transition densities, as a `FlowTrajectory`) and `FlowRollout`, the
@@ -34,6 +36,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ServerCounters": ("dew_pipe.inference.servers.engine_records", "ServerCounters"),
     "ServeTask": ("dew_pipe.inference.servers.engine_setup", "ServeTask"),
     "PromptSource": ("dew_pipe.inference.prompt_source", "PromptSource"),
+    "EnvironmentSource": ("dew_pipe.inference.environment_source", "EnvironmentSource"),
     "DecodeStep": ("dew_pipe.inference.decoding", "DecodeStep"),
     "decode_step": ("dew_pipe.inference.decoding", "decode_step"),
     "Generated": ("dew_pipe.inference.generation", "Generated"),

@@ -68,9 +68,10 @@ def _payload(task: Any) -> tuple[np.ndarray, dict[str, str]]:
     return prompt.astype(np.int32), metadata
 
 
-def _seed(base: int, task: int, group: int, sample: int, attempt: int) -> int:
-    """A 32-bit seed fixed by the submission's identity (the same in every process)."""
-    text = repr((base, task, group, sample, attempt)).encode()
+def _seed(*parts: int) -> int:
+    """A 32-bit seed fixed by ints such as a submission's (base, task, group, sample,
+    attempt): the same in every process."""
+    text = repr(tuple(parts)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
 
 

@@ -25,9 +25,9 @@ over a rectified-flow model's stochastic transitions, built on
 with the process in :mod:`dew_pipe.diffusion`).
 
 Some names live on higher floors and are only named here, so the spec's import paths work:
-``SampledRollout``, ``PromptSource``, ``FlowRollout`` and ``sample_trajectory`` with its
-``FlowTrajectory`` (they sample, so they live in :mod:`dew_pipe.inference`) and
-``RolloutScheduler`` (composed of stages, in
+``SampledRollout``, ``PromptSource``, ``EnvironmentSource``, ``FlowRollout`` and
+``sample_trajectory`` with its ``FlowTrajectory`` (they sample, so they live in
+:mod:`dew_pipe.inference`) and ``RolloutScheduler`` (composed of stages, in
 :mod:`dew_pipe.stages`).
 
 Names resolve lazily (module ``__getattr__``) so importing the package costs nothing until a
@@ -54,6 +54,8 @@ _LAZY: dict[str, str] = {
     "compute_advantages": "dew_pipe.objectives.rl.advantages",
     # single-turn sessions drawn from a RolloutServer (lives above, in dew_pipe.inference)
     "PromptSource": "dew_pipe.inference.prompt_source",
+    # multi-turn tool episodes drawn from a RolloutServer (lives above, in dew_pipe.inference)
+    "EnvironmentSource": "dew_pipe.inference.environment_source",
     # GRPO objective and its policy loss
     "GRPOObjective": "dew_pipe.objectives.rl.grpo",
     "PolicyOptions": "dew_pipe.objectives.rl.policy",
