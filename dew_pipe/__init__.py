@@ -6,7 +6,9 @@ not import JAX until one of them is used.
 Importing the package sets the process's host memory policy (`dew_pipe.host_memory`):
 glibc keeps freed memory for reuse, which spares XLA's CPU backend from faulting in its
 scratch memory on every call. Import dew_pipe before running JAX computations for it to
-take effect; ``DEW_PIPE_HOST_MEMORY=system`` keeps glibc's defaults.
+take effect; ``DEW_PIPE_HOST_MEMORY=system`` keeps glibc's defaults. It also drops
+transformers' "PyTorch was not found" notice (`dew_pipe._notices`): dew_pipe uses transformers
+for tokenizers and templates only, so the notice says nothing to its users.
 
 Example:
     >>> import dew_pipe
@@ -16,10 +18,12 @@ Example:
 
 from __future__ import annotations
 
+from dew_pipe import _notices
 from dew_pipe import host_memory as _host_memory
 from dew_pipe._lazy import lazy_exports
 
 _host_memory.apply_default()
+_notices.silence_torch_notice()  # before anything imports transformers (dew_pipe/_notices.py)
 
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY: dict[str, tuple[str, str | None]] = {

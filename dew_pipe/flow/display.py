@@ -1,8 +1,20 @@
-"""Progress display of a run: a rich live view on a terminal, quiet periodic lines otherwise.
+"""Progress display of a run: a rich live view on a terminal, short periodic lines otherwise.
 
 It shows whatever it is fed: flow snapshots (per stage items/s and busy share, per edge
 depth against capacity and wait seconds), progress counters (``progress``) and latest
 scalar values (``values``). Updates may come from any thread.
+
+The terminal view shows all of it. Off a terminal (a log file, CI) a line every
+``interval`` seconds says only what is current, so a person reads it at a glance::
+
+    [  42.0s] arithmetic | GRPO updates 120/1000 3.1/s | loss=0.0123 reward=0.81 lag=1 | busiest update 93%
+
+* progress: the counters advanced since the previous line (the current phase; a finished
+  phase's counter drops out), with their rate over that interval;
+* values: those set since the previous line, each once with its latest value (a figure that
+  stopped changing, such as the previous phase's last probe, is not repeated);
+* flow: the one busiest stage over the interval. Per-stage and per-queue counters go to
+  ``metrics.jsonl`` (the run's ``flow`` records) and the terminal view, not into the line.
 """
 
 from __future__ import annotations
@@ -72,6 +84,12 @@ class Display:
         self._rates: dict[str, float] = {}
         self._previous: tuple[float, dict[str, int]] | None = None
         self._live: Live | None = None
+        # What the previous plain line saw, so the next one shows only what changed since.
+        self._fresh_progress: dict[str, None] = {}  # labels advanced since, in order
+        self._fresh_values: dict[str, Any] = {}  # values set since (latest of each)
+        self._progress_mark: dict[str, tuple[float, float]] = {}  # label -> (done, time)
+        self._latest_progress: str | None = None
+        self._busy_mark: tuple[float, dict[str, float]] | None = None  # (elapsed, busy_s)
 
     # ------------------------------------------------------------------ feeding
 
@@ -82,14 +100,19 @@ class Display:
     def progress(self, label: str, done: float, total: float | None = None) -> None:
         """Set a progress counter (``done`` of ``total``; rate shown per second)."""
         with self._lock:
-            first = self._progress.get(label, (done, total, time.monotonic()))[2]
+            now = time.monotonic()
+            first = self._progress.get(label, (done, total, now))[2]
             self._progress[label] = (done, total, first)
+            self._progress_mark.setdefault(label, (done, now))
+            self._fresh_progress[label] = None
+            self._latest_progress = label
         self._tick()
 
     def values(self, **values: Any) -> None:
         """Set the latest scalar values (loss, reward, accuracy, ...)."""
         with self._lock:
             self._values.update(values)
+            self._fresh_values.update(values)
         self._tick()
 
     def flow(self, snapshot: FlowSnapshot) -> None:
@@ -124,7 +147,7 @@ class Display:
             self._live.stop()
             self._live = None
         elif not self.live:
-            self.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+            self._emit()
 
     # ------------------------------------------------------------------ rendering
 
@@ -134,34 +157,64 @@ class Display:
         now = time.monotonic()
         if now - self._last_line >= self.interval:
             self._last_line = now
-            self.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+            self._emit()
+
+    def _emit(self) -> None:
+        """Print the plain line and start the next interval from what it showed."""
+        text = self.line()
+        with self._lock:
+            now = time.monotonic()
+            self._progress_mark = {k: (v[0], now) for k, v in self._progress.items()}
+            self._fresh_progress.clear()
+            self._fresh_values.clear()
+            if self._snapshot is not None:
+                busy = {n: st.busy_s for n, st in self._snapshot.stages.items()}
+                self._busy_mark = (self._snapshot.elapsed_s, busy)
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def line(self) -> str:
-        """One line with everything currently known."""
+        """The plain line: elapsed time, title, and what changed since the previous line.
+
+        See the module docstring: the progress counters advanced since then (or, if none
+        was, the last one advanced) with their rate over the interval, the values set since
+        then, and the busiest stage of the flow over the interval.
+        """
         with self._lock:
-            parts = [
-                f"[{time.monotonic() - self._start:7.1f}s]{' ' + self.title if self.title else ''}"
-            ]
-            for label, (done, total, first) in self._progress.items():
-                rate = done / max(time.monotonic() - first, 1e-9)
-                parts.append(
-                    f"{label} {_fmt(done)}{'/' + _fmt(total) if total else ''} ({rate:.3g}/s)"
-                )
-            if self._values:
-                parts.append(" ".join(f"{k}={_fmt(v)}" for k, v in self._values.items()))
-            if self._snapshot is not None:
-                stages = ", ".join(
-                    f"{n} {s.items_in or s.items_out} ({self._rates.get(n, 0.0):.3g}/s)"
-                    for n, s in self._snapshot.stages.items()
-                )
-                edges = ", ".join(
-                    f"{e.name} {e.depth}/{e.capacity} (max {e.max_depth}, put wait "
-                    f"{e.put_wait_s:.2f}s)"
-                    for e in self._snapshot.edges.values()
-                )
-                parts.append(f"stages: {stages}")
-                parts.append(f"queues: {edges}")
+            now = time.monotonic()
+            head = f"[{now - self._start:7.1f}s]{' ' + self.title if self.title else ''}"
+            parts = [head]
+            labels = list(self._fresh_progress)
+            if not labels and self._latest_progress is not None:
+                labels = [self._latest_progress]
+            counters = []
+            for label in labels:
+                done, total, _ = self._progress[label]
+                text = f"{label} {_fmt(done)}{'/' + _fmt(total) if total else ''}"
+                if label in self._fresh_progress:
+                    before, since = self._progress_mark.get(label, (done, now))
+                    text += f" {(done - before) / max(now - since, 1e-9):.3g}/s"
+                counters.append(text)
+            if counters:
+                parts.append(", ".join(counters))
+            if self._fresh_values:
+                parts.append(" ".join(f"{k}={_fmt(v)}" for k, v in self._fresh_values.items()))
+            busiest = self._busiest()
+            if busiest:
+                parts.append(busiest)
         return " | ".join(parts)
+
+    def _busiest(self) -> str:
+        """``"busiest NAME 93%"``: the stage with the largest busy share since the last line."""
+        snap = self._snapshot
+        if snap is None or not snap.stages:
+            return ""
+        since, before = self._busy_mark or (0.0, {})
+        span = snap.elapsed_s - since
+        if span <= 0:
+            return ""
+        shares = {n: (st.busy_s - before.get(n, 0.0)) / span for n, st in snap.stages.items()}
+        name = max(shares, key=shares.__getitem__)
+        return f"busiest {name} {min(max(shares[name], 0.0), 1.0):.0%}"
 
     def __rich__(self) -> Group:
         with self._lock:
