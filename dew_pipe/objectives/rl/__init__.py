@@ -17,7 +17,9 @@ multi-turn episode (``EpisodeId``, ``Observation`` and ``EpisodeStatus``, ``Acti
 ``Transition``, ``Episode``, ``EpisodeFailure``, ``EpisodeCancelled``); ``episode_sessions``
 projects episodes onto sessions (``session_of``, ``pack_episodes``); ``episode_rollout``
 holds ``EpisodeRollout``, the trainer's rollout hook that collects and packs them (it calls
-the policy it is given, so it needs nothing from :mod:`dew_pipe.inference`).
+the policy it is given, so it needs nothing from :mod:`dew_pipe.inference`);
+``subprocess_environment`` holds ``SubprocessEnvironment`` (episodes served by a worker
+process over JSON lines, through the sandbox launcher).
 
 Flow-GRPO: ``flow_grpo`` holds ``FlowGRPOObjective`` (the clipped per-coordinate ratio loss
 over a rectified-flow model's stochastic transitions, built on
@@ -88,6 +90,8 @@ _LAZY: dict[str, str] = {
     "session_of": "dew_pipe.objectives.rl.episode_sessions",
     "pack_episodes": "dew_pipe.objectives.rl.episode_sessions",
     "EpisodeRollout": "dew_pipe.objectives.rl.episode_rollout",
+    # the worker-process environment
+    "SubprocessEnvironment": "dew_pipe.objectives.rl.subprocess_environment",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
