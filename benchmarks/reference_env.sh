@@ -36,6 +36,8 @@ echo "torch==2.13.0" >"$constraints"
     transformers==5.24.0 tokenizers==0.23.3 trl==1.16.0 datasets safetensors numpy
 "${pip[@]}" -c "$constraints" --no-deps verl==0.9.1
 "${pip[@]}" -c "$constraints" ray tensordict omegaconf codetiming orjson
+# verl's agent loop (tests/parity/record_verl_interop.py) imports these as well
+"${pip[@]}" -c "$constraints" hydra-core pillow cachetools uvicorn fastapi
 
 "$dir/bin/python" -c "import torch, transformers, trl, verl; print('reference env:', \
 torch.__version__, transformers.__version__, trl.__version__, verl.__version__)"
