@@ -16,6 +16,10 @@ Exit status: 0 done, 1 the run failed, 2 nothing to run (bad file, setting or wi
 Apache Beam pack job of :mod:`dew_pipe.beam` on recorded sessions; its output appears whole
 or not at all. Exit status: 0 done, 1 bad data (the line names the session) or a failed job,
 2 bad arguments.
+
+``plot`` (curves of runs' ``metrics.jsonl``) and ``audit`` (``audit template``: is a chat
+template append-only; ``audit sessions``: calls per chain of recorded sessions) live in
+:mod:`dew_pipe.cli_tools`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dew_pipe import cli_tools
+
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -52,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dew-pipe",
         description="Post-training for JAX models on a streaming graph of typed stages.",
-        epilog="Run 'dew-pipe run --help' for how pipeline files are found and configured.",
+        epilog="Run 'dew-pipe COMMAND --help' for a command's arguments and examples.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser(
@@ -96,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks")
     _pack_parser(sub)
+    cli_tools.add_parsers(sub)
     return parser
 
 
@@ -111,13 +118,15 @@ def _pack_parser(sub: Any) -> None:
             "each as dew_pipe's pack does. Writes OUTPUT/packed-BBBBB-of-NNNNN.parquet (one\n"
             "training batch each), OUTPUT/manifest-*.parquet (one row per session) and\n"
             "OUTPUT/_SUCCESS, all at once when the job succeeds: a failed job leaves OUTPUT\n"
-            "as it was."
+            "as it was. --format verl reads JSON lines of verl AgentLoopOutput rows instead."
         ),
         epilog=(
             "examples:\n"
             "  dew-pipe pack --input 'runs/x/sessions-*.parquet' --output packed --width 4096\n"
             "  dew-pipe pack --input traces.jsonl --output packed --width 2048 --rows 64 \\\n"
             "      --groups-per-batch 32 --estimator rloo --workers 2\n"
+            "  dew-pipe pack --format verl --samples 8 --input 'rollouts/*.jsonl' \\\n"
+            "      --output packed --width 4096\n"
             "exit status: 0 done, 1 bad data or a failed job, 2 bad arguments"
         ),
     )
@@ -131,6 +140,19 @@ def _pack_parser(sub: Any) -> None:
         help="sessions files, globs allowed (repeatable)",
     )
     add("--output", required=True, metavar="DIR", help="folder for packed files and manifest")
+    add(
+        "--format",
+        dest="input_format",
+        choices=("sessions", "verl"),
+        default="sessions",
+        help="sessions (default: .jsonl/.parquet sessions) or verl (.jsonl AgentLoopOutput rows)",
+    )
+    add(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="with --format verl: verl's rollout.n, the rows of one prompt (native verl rows)",
+    )
     add("--width", type=int, required=True, metavar="W", help="ids per row")
     add("--rows", type=int, metavar="N", help="rows per batch (default: as many as needed)")
     add(
@@ -173,8 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        if args.command in cli_tools.COMMANDS:
+            return cli_tools.dispatch(args)
         return _pack(args) if args.command == "pack" else _run(args)
-    except _Exit as e:
+    except (_Exit, cli_tools.ToolError) as e:
         if args.debug and e.cause is not None:
             traceback.print_exception(e.cause)
         print(f"dew-pipe: {e}", file=sys.stderr)
@@ -299,6 +323,8 @@ def _pack(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 beam_args=beam_args,
                 overwrite=args.overwrite,
+                input_format=args.input_format,
+                samples=args.samples,
             )
     except SessionDataError as e:
         raise _Exit(str(e), EXIT_FAILED, e) from e

@@ -5,6 +5,7 @@ sessions and packed-rows formats of :mod:`dew_pipe.batches`) and run on Beam's l
 runners here, or on Flink, Spark or Dataflow when one machine is not enough.
 
 * :class:`ReadSessions`: JSON lines and Parquet files of sessions into a PCollection.
+* :class:`ReadVerlRows`: JSON lines of verl agent-loop rows, as sessions.
 * :class:`PackSessions`: group by (task, group), compute advantages, cut batches, ``pack``.
 * :class:`WritePacked`: one Parquet file per packed batch plus a manifest of every session.
 * :class:`JournalSessions`: sessions to sharded Parquet files of the sessions schema.
@@ -24,6 +25,7 @@ from dew_pipe.beam.packing import (
     score_group,
 )
 from dew_pipe.beam.sources import ReadSessions, SessionDataError, session_to_json
+from dew_pipe.beam.verl_source import ReadVerlRows
 
 __all__ = [
     "MANIFEST_SCHEMA",
@@ -32,6 +34,7 @@ __all__ = [
     "PackSummary",
     "PackedBatch",
     "ReadSessions",
+    "ReadVerlRows",
     "ScoredGroup",
     "SessionDataError",
     "WritePacked",

@@ -53,6 +53,7 @@ from dew_pipe import batches
 from dew_pipe._validate import check_int
 from dew_pipe.beam.packing import PackSessions, WritePacked
 from dew_pipe.beam.sources import METRICS_NAMESPACE, ReadSessions, SessionDataError
+from dew_pipe.beam.verl_source import ReadVerlRows
 
 __all__ = ["PackSummary", "read_manifest", "read_packed", "run_pack_job"]
 
@@ -112,6 +113,8 @@ def run_pack_job(
     workers: int = 1,
     beam_args: Sequence[str] = (),
     overwrite: bool = False,
+    input_format: str = "sessions",
+    samples: int | None = None,
 ) -> PackSummary:
     """Pack recorded sessions into Parquet training batches with Apache Beam.
 
@@ -127,6 +130,9 @@ def run_pack_job(
         beam_args: further Beam pipeline options, e.g. ``["--temp_location=gs://b/tmp"]``.
         overwrite: replace the packed files, manifests and marker of an earlier job in
             ``output`` once this job has succeeded; without it such files are an error.
+        input_format: ``"sessions"`` (the files hold sessions) or ``"verl"`` (JSON lines of
+            verl ``AgentLoopOutput`` rows; see :class:`dew_pipe.beam.ReadVerlRows`).
+        samples: verl's ``rollout.n`` for native verl rows (``input_format="verl"`` only).
 
     Returns:
         A :class:`PackSummary`.
@@ -162,7 +168,16 @@ def run_pack_job(
         truncation=truncation,
         support_capacity=support_capacity,
     )
-    read = ReadSessions(inputs)
+    if input_format == "verl":
+        read = ReadVerlRows(inputs, samples=samples)
+    elif input_format == "sessions":
+        if samples is not None:
+            raise ValueError(
+                "samples: only verl rows are grouped by samples; pass input_format='verl'"
+            )
+        read = ReadSessions(inputs)
+    else:
+        raise ValueError(f"input_format: expected 'sessions' or 'verl', got {input_format!r}")
     output = str(output)
     earlier = _check_output(output, overwrite)
     staging = _staging(output)
