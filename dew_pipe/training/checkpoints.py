@@ -105,6 +105,30 @@ def _stored_layout(item: Path) -> Layout:
     return out
 
 
+def _same_shape(stored: tuple[int, ...], wanted: tuple[int, ...]) -> bool:
+    """Whether a stored ``write_shape`` is the wanted shape: equal, or one replica's slice.
+
+    On several devices orbax writes a replicated array replica-parallel: each of its r
+    replicas writes 1/r of the first axis that r divides, and ``write_shape`` is that
+    slice's shape (a replicated (2,) key on two devices records (1,)).
+
+    Example:
+        >>> _same_shape((1,), (2,)), _same_shape((4, 3), (8, 3)), _same_shape((8, 1), (8, 4))
+        (True, True, False)
+    """
+    if stored == wanted:
+        return True
+    differ = [i for i, (s, w) in enumerate(zip(stored, wanted, strict=False)) if s != w]
+    if len(stored) != len(wanted) or len(differ) != 1:
+        return False
+    axis = differ[0]
+    part, whole = stored[axis], wanted[axis]
+    if part < 1 or whole % part or whole // part < 2:
+        return False
+    replicas = whole // part
+    return axis == next(i for i, n in enumerate(wanted) if n % replicas == 0)
+
+
 def _differences(stored: Layout, wanted: Layout, limit: int = 3) -> str:
     """One line naming the first few arrays that differ between two layouts."""
     parts = []
@@ -113,7 +137,7 @@ def _differences(stored: Layout, wanted: Layout, limit: int = 3) -> str:
             parts.append(f"{path} is missing from the checkpoint")
         elif path not in wanted:
             parts.append(f"{path} is in the checkpoint but not in this trainer's state")
-        elif stored[path] is not None and stored[path] != wanted[path]:
+        elif stored[path] is not None and not _same_shape(stored[path], wanted[path]):
             parts.append(f"{path} has shape {stored[path]} there, {wanted[path]} here")
     more = f" (and {len(parts) - limit} more)" if len(parts) > limit else ""
     return "; ".join(parts[:limit]) + more
