@@ -53,6 +53,7 @@ FLOORS: dict[str, int] = {
     "dew_pipe.stages.scheduler": 4,  # RolloutScheduler: a composition of stages
     "pipelines": 4,
     "dew_pipe.cli": 5,
+    "dew_pipe.cli_tools": 5,  # the plot and audit sub-commands of dew-pipe
 }
 
 

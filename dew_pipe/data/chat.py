@@ -38,7 +38,7 @@ from dew_pipe.data.conversations import Conversation, read_conversations
 from dew_pipe.data.dataset import Batch, Dataset, Loading, Partition
 from dew_pipe.data.packing import pack_documents
 
-__all__ = ["ChatMessages", "Role", "tokenize_conversation"]
+__all__ = ["ChatMessages", "Role", "load_chat_tokenizer", "tokenize_conversation"]
 
 
 class Role(enum.IntEnum):
@@ -245,7 +245,17 @@ def _tokenize_chunk(
     return out
 
 
-def _load_tokenizer(tokenizer: Any) -> Any:
+def load_chat_tokenizer(tokenizer: Any) -> Any:
+    """A transformers tokenizer with a chat template, from itself or a path or Hub name.
+
+    Args:
+        tokenizer: a tokenizer object (anything with ``apply_chat_template``), or a local
+            directory / Hub name for ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        ValueError: a path that cannot be loaded, or a tokenizer without a chat template.
+        TypeError: anything else.
+    """
     if isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
@@ -341,7 +351,7 @@ class ChatMessages:
             raise TypeError(f"column is {column!r}; expected a non-empty str")
         if loading is not None and not isinstance(loading, Loading):
             raise TypeError(f"loading is {type(loading).__name__}; expected a Loading")
-        self.tokenizer = _load_tokenizer(tokenizer)
+        self.tokenizer = load_chat_tokenizer(tokenizer)
         self.path, self.val_path = path, val_path
         self.seq_len = int(seq_len)
         self.column, self.split, self.options = column, split, options

@@ -10,11 +10,12 @@ draws two panels with matplotlib's Agg backend (no display needed):
 * over GRPO updates: the batch reward and held-out exact match, the part GRPO changed.
 
 Any run directory can be drawn again: ``plot_run(run_dir / "metrics.jsonl", "out.png")``.
+It reads the file and smooths the batch reward with the helpers of :mod:`dew_pipe.curves`,
+which draws any run's curves (``dew-pipe plot``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dew_pipe.curves import read_metrics, running_mean, write_png
 
 __all__ = ["plot_run", "read_values"]
 
@@ -31,9 +34,11 @@ _LABEL = {"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"
 def read_values(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The ``values`` records of a ``metrics.jsonl`` that carry a ``phase``, in file order.
 
+    The file is read by :func:`dew_pipe.curves.read_metrics`, the reader of ``dew-pipe plot``.
+
     Raises:
       FileNotFoundError: no such file.
-      ValueError: a line that is not JSON (naming the line).
+      ValueError: a line that is not a JSON object (naming the line), or an empty file.
 
     Example:
       >>> import tempfile
@@ -43,18 +48,7 @@ def read_values(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
       >>> [r["loss"] for r in read_values(p)]
       [2.0]
     """
-    records = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: line {number} is not JSON ({error})") from error
-            if record.get("kind") == "values" and "phase" in record:
-                records.append(record)
-    return records
+    return [r for r in read_metrics(path) if r.get("kind") == "values" and "phase" in r]
 
 
 def _series(records: list[Mapping[str, Any]], phase: str, name: str, x: str) -> np.ndarray:
@@ -66,15 +60,6 @@ def _series(records: list[Mapping[str, Any]], phase: str, name: str, x: str) -> 
     ]
     rows = [row for row in rows if math.isfinite(row[1])]
     return np.array(rows, dtype=np.float64).reshape(-1, 2)
-
-
-def _running_mean(values: np.ndarray, window: int) -> np.ndarray:
-    if values.size == 0:
-        return values
-    kernel = np.ones(min(window, values.size))
-    sums = np.convolve(values, kernel, mode="full")[: values.size]
-    counts = np.convolve(np.ones_like(values), kernel, mode="full")[: values.size]
-    return sums / counts
 
 
 def plot_run(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
@@ -104,8 +89,10 @@ def plot_run(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     _grpo_panel(grpo, records)
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, format="png")
-    plt.close(fig)
+    try:
+        write_png(fig, out)
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -134,7 +121,7 @@ def _timeline(ax: Any, records: list[Mapping[str, Any]]) -> None:
     if batch.size:
         ax.plot(batch[:, 0], 100 * batch[:, 1], color="#e07b39", alpha=0.35, linewidth=0.8)
         ax.plot(
-            batch[:, 0], 100 * _running_mean(batch[:, 1], 10), color="#e07b39",
+            batch[:, 0], 100 * running_mean(batch[:, 1], 10), color="#e07b39",
             label="GRPO batch reward (running mean of 10)",
         )  # fmt: skip
     if held.size:
@@ -175,7 +162,7 @@ def _grpo_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
     if batch.size:
         ax.plot(batch[:, 0], 100 * batch[:, 1], color="#e07b39", alpha=0.35, linewidth=0.8)
         ax.plot(
-            batch[:, 0], 100 * _running_mean(batch[:, 1], 10), color="#e07b39",
+            batch[:, 0], 100 * running_mean(batch[:, 1], 10), color="#e07b39",
             label="batch reward (running mean of 10)",
         )  # fmt: skip
     if held.size:
