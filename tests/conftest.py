@@ -27,3 +27,24 @@ def story_tokenizer(story_tokenizer_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(story_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory):
+    """A real vLLM server on loopback, started once per session (see tests/vllm_helpers.py).
+
+    Skips without a vLLM interpreter (``benchmarks/vllm_env.sh`` builds one), except under
+    CI (``CI`` set), where the missing engine fails the test instead.
+    """
+    import os
+
+    from vllm_helpers import start_engine, vllm_python
+
+    if vllm_python() is None:
+        message = "no vLLM interpreter: run benchmarks/vllm_env.sh (or set DEW_PIPE_VLLM_PYTHON)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    engine = start_engine(tmp_path_factory.mktemp("vllm"))
+    yield engine
+    engine.stop()

@@ -12,7 +12,9 @@
   paths with their transition densities, as a `FlowTrajectory`) and `FlowRollout`, the
   trainer's Flow-GRPO rollout hook.
 - ``servers/``: the `RolloutServer` interface and its backends (the continuous-batching
-  `Server`, `NativeRolloutServer`, `ProcessRolloutServer`); see its docstring.
+  `Server`, `NativeRolloutServer`, `ProcessRolloutServer`; over HTTP `OpenAIRolloutServer`
+  and `VLLMGenerateServer`) and the weight pushes into engines (`SafetensorsReload`,
+  `NCCLPush`, `Publication`); see its docstring.
 
 Names resolve lazily (module ``__getattr__``), so importing the package stays cheap. Add a
 name by adding one line to ``_LAZY``.
@@ -35,6 +37,18 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Server": ("dew_pipe.inference.servers.engine", "Server"),
     "ServerCounters": ("dew_pipe.inference.servers.engine_records", "ServerCounters"),
     "ServeTask": ("dew_pipe.inference.servers.engine_setup", "ServeTask"),
+    # engines behind HTTP (servers/: OpenAI completions, vLLM's token route, weight pushes)
+    "OpenAICompletion": ("dew_pipe.inference.servers.openai_completions", "OpenAICompletion"),
+    "OpenAIRolloutServer": (
+        "dew_pipe.inference.servers.openai_completions",
+        "OpenAIRolloutServer",
+    ),
+    "Completion": ("dew_pipe.inference.servers.openai_completions", "Completion"),
+    "VLLMGenerateServer": ("dew_pipe.inference.servers.vllm_generate", "VLLMGenerateServer"),
+    "SafetensorsReload": ("dew_pipe.inference.servers.publication", "SafetensorsReload"),
+    "Publication": ("dew_pipe.inference.servers.publication", "Publication"),
+    "EngineError": ("dew_pipe.inference.servers.http_json", "EngineError"),
+    "JSONClient": ("dew_pipe.inference.servers.http_json", "JSONClient"),
     "PromptSource": ("dew_pipe.inference.prompt_source", "PromptSource"),
     "EnvironmentSource": ("dew_pipe.inference.environment_source", "EnvironmentSource"),
     "DecodeStep": ("dew_pipe.inference.decoding", "DecodeStep"),

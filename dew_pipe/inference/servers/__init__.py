@@ -22,7 +22,24 @@ from. Every backend answers the `RolloutServer` requests (``submit``, ``load``,
     `ProcessRolloutServer`: the same `Server` in a child process with its own XLA runtime
     (the parent side), and the child that runs it (``python -m`` this module).
 
-Engines behind HTTP (vLLM, SGLang) belong beside these, one module each. The public names
+``http_json.py``
+    `JSONClient`: JSON over HTTP (standard library) with a deadline on every request, and
+    `EngineError`, what every engine failure raises.
+``remote.py``
+    `RemoteServer`: what the HTTP backends share (futures, seeds, cancellation, pushes).
+``openai_completions.py``
+    `OpenAICompletion` (a vLLM or SGLang completions route, token ids in and out) and
+    `OpenAIRolloutServer` over it.
+``vllm_generate.py``
+    `VLLMGenerateServer`: vLLM's token route, with supports and per-span weight versions.
+``publication.py``
+    `SafetensorsReload` (a push through the checkpoint directory and each engine's reload
+    endpoints) and `Publication` (a versioned publisher over any push).
+``nccl.py``, ``nccl_push.py``
+    NCCL through ctypes (no torch), and `NCCLPush`: a push into vLLM replicas' GPUs by
+    NCCL broadcast.
+
+The public names
 are exported lazily by `dew_pipe.inference` (``from dew_pipe.inference import Server``);
 this package's ``__init__`` imports nothing, so starting the child process stays cheap.
 """

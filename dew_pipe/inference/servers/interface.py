@@ -67,6 +67,9 @@ class Draw:
         support: one int32 array per sampled id holding the ids the sampler kept, when the
             backend records them; None otherwise.
         seed: the seed the draw was sampled with, when known.
+        routed_experts: ``[n, layers, top_k]`` integer expert ids per position of the
+            prompt then the sampled ids (``n <= P + S``), when the engine reports routing
+            (routing replay); None otherwise.
 
     Raises:
         TypeError: a version that is not an int.
@@ -87,6 +90,7 @@ class Draw:
     log_probs: np.ndarray | None = None
     support: tuple[np.ndarray, ...] | None = None
     seed: int | None = None
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -123,6 +127,15 @@ class Draw:
                 ),
             )
 
+        if self.routed_experts is not None:
+            routed = np.asarray(self.routed_experts)
+            if routed.ndim != 3 or not np.issubdtype(routed.dtype, np.integer):
+                raise ValueError(
+                    f"Draw.routed_experts has shape {routed.shape} and dtype {routed.dtype}; "
+                    f"expected [positions, layers, top_k] integer expert ids"
+                )
+            put(self, "routed_experts", routed)
+
     @property
     def stopped(self) -> bool:
         """True when an EOS id ended the draw."""
@@ -144,6 +157,7 @@ class Draw:
             self.finish_reason,
             self.version,
             log_probs=self.log_probs,
+            routed_experts=self.routed_experts,
             support=self.support,
         )
 
