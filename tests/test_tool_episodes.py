@@ -621,7 +621,7 @@ def test_projection_refuses_two_collection_bindings():
 
 def test_constructor_refuses_bad_settings():
     policy, harness = ScriptedPolicy(), Harness()
-    with pytest.raises(ValueError, match="EpisodeJournal"):
+    with pytest.raises(TypeError, match="EpisodeJournal"):
         episode_rollout(policy, harness, journal="run/episodes")
     with pytest.raises(ValueError, match="eos"):
         episode_rollout(policy, harness, sampling=Sampling(temperature=1.0))

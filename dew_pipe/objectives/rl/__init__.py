@@ -17,9 +17,10 @@ multi-turn episode (``EpisodeId``, ``Observation`` and ``EpisodeStatus``, ``Acti
 ``Transition``, ``Episode``, ``EpisodeFailure``, ``EpisodeCancelled``); ``episode_sessions``
 projects episodes onto sessions (``session_of``, ``pack_episodes``); ``episode_rollout``
 holds ``EpisodeRollout``, the trainer's rollout hook that collects and packs them (it calls
-the policy it is given, so it needs nothing from :mod:`dew_pipe.inference`);
-``subprocess_environment`` holds ``SubprocessEnvironment`` (episodes served by a worker
-process over JSON lines, through the sandbox launcher).
+the policy it is given, so it needs nothing from :mod:`dew_pipe.inference`), with its slots
+and rules in ``episode_collection``; ``episode_journal`` holds ``EpisodeJournal`` (SQLite
+crash recovery of collections) and ``subprocess_environment`` ``SubprocessEnvironment``
+(episodes served by a worker process over JSON lines, through the sandbox launcher).
 
 Flow-GRPO: ``flow_grpo`` holds ``FlowGRPOObjective`` (the clipped per-coordinate ratio loss
 over a rectified-flow model's stochastic transitions, built on
@@ -90,7 +91,8 @@ _LAZY: dict[str, str] = {
     "session_of": "dew_pipe.objectives.rl.episode_sessions",
     "pack_episodes": "dew_pipe.objectives.rl.episode_sessions",
     "EpisodeRollout": "dew_pipe.objectives.rl.episode_rollout",
-    # the worker-process environment
+    # crash recovery of episodes, and the worker-process environment
+    "EpisodeJournal": "dew_pipe.objectives.rl.episode_journal",
     "SubprocessEnvironment": "dew_pipe.objectives.rl.subprocess_environment",
 }
 

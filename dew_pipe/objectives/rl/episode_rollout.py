@@ -30,11 +30,18 @@ environment exits under that exception, ``record`` gets the failed partial episo
 :class:`EpisodeFailure` (or :class:`EpisodeCancelled`, for asyncio and concurrent.futures
 cancellations, the original as ``__cause__``) is raised. ``KeyboardInterrupt`` and
 ``SystemExit`` release the environments the same way and propagate unchanged.
+
+With ``journal=EpisodeJournal(directory)`` (:mod:`~dew_pipe.objectives.rl.episode_journal`)
+a collection commits each reset, each round's draws and each turn as it goes, and a call
+at a step the journal holds (a restart from a checkpoint after a crash) resumes from those
+records: same actions, same rewards, no completed tool call run again. The environments
+must then offer ``get_state``/``set_state``. The slots and their rules live in
+:mod:`~dew_pipe.objectives.rl.episode_collection`.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,24 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_pipe._validate import check_int
+from dew_pipe.objectives.rl.episode_collection import Collection, cause_of
+from dew_pipe.objectives.rl.episode_journal import EpisodeJournal
 from dew_pipe.objectives.rl.episode_sessions import pack_episodes
-from dew_pipe.objectives.rl.episodes import (
-    Action,
-    Episode,
-    EpisodeCancelled,
-    EpisodeFailure,
-    EpisodeId,
-    EpisodeStatus,
-    Observation,
-    Origin,
-    Transition,
-    is_cancellation,
-)
+from dew_pipe.objectives.rl.episodes import Episode, EpisodeId, EpisodeStatus, Origin
 from dew_pipe.sampling import Sampling
 
 __all__ = ["EpisodeRollout"]
 
-_INERT = np.zeros(1, np.int32)  # a finished slot's prompt in a lock-step round; output unused
 _SEEDS, _ROUNDS = 0, 1  # fold_in constants splitting the collection key
 
 
@@ -84,8 +81,8 @@ class EpisodeRollout:
         max_turns: K, the most model calls per episode (>= 1).
         groups: G, episodes per task (>= 1; GRPO needs 2 or more to compare).
         sampling: EOS ids (at least one: EOS ends an action), temperature and filters.
-        journal: must be None: ``EpisodeJournal`` (crash recovery) is not part of this
-            version of dew_pipe, and a journal given here is refused rather than ignored.
+        journal: an :class:`~dew_pipe.objectives.rl.EpisodeJournal` for crash recovery (the
+            environments must have ``get_state``/``set_state``), or None.
         record: ``record(Episode)``, called with each finished episode and, when a
             collection fails, with each failed partial one.
 
@@ -97,8 +94,9 @@ class EpisodeRollout:
         TypeError: a policy without ``bind`` (or without ``batch`` and ``__call__``), a
             factory, verifier or record that is not callable, a sampling that is not a
             `Sampling`.
-        ValueError: a count out of range; a sampling without EOS ids; ``journal`` given;
-            P + R - 1 longer than the policy model's ``max_seq_len``.
+        TypeError: a journal that is not an EpisodeJournal.
+        ValueError: a count out of range; a sampling without EOS ids; P + R - 1 longer than
+            the policy model's ``max_seq_len``.
 
     Example:
         >>> rollout = EpisodeRollout(TextGeneration(model, variables), factory, verify,
@@ -119,7 +117,7 @@ class EpisodeRollout:
         max_turns: int,
         groups: int,
         sampling: Sampling,
-        journal: Any = None,
+        journal: EpisodeJournal | None = None,
         record: Callable[[Episode], Any] | None = None,
     ) -> None:
         if not callable(getattr(policy, "bind", None)):
@@ -134,10 +132,10 @@ class EpisodeRollout:
                 raise TypeError(f"{name} is {value!r}; expected a callable")
         if record is not None and not callable(record):
             raise TypeError(f"record is {record!r}; expected None or record(episode)")
-        if journal is not None:
-            raise ValueError(
-                f"journal is {journal!r}; this version of dew_pipe has no EpisodeJournal "
-                "(crash recovery of episodes), so expected journal=None"
+        if journal is not None and not isinstance(journal, EpisodeJournal):
+            raise TypeError(
+                f"journal is {journal!r}; expected None or "
+                "dew_pipe.objectives.rl.EpisodeJournal(directory)"
             )
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
@@ -155,9 +153,11 @@ class EpisodeRollout:
         self.groups = check_int("groups", groups, minimum=1)
         self.sampling = sampling
         self.record = record
+        self.journal = journal
         self._check_model()
         self.last_episodes: list[Episode] = []
         self._metrics: dict[str, float] = {}
+        self._restored: int | None = None
 
     def _check_model(self) -> None:
         """Checks what the policy's model says about sizes now, before any compile."""
@@ -216,6 +216,12 @@ class EpisodeRollout:
         """
         tasks = _task_ids(batch)
         step, version = _clocks(state)
+        origin = Origin()
+        journaled = None
+        if self.journal is not None:  # before anything opens: a refusal leaves it untouched
+            journaled = self.journal.begin(
+                step, self._identity(tasks, version), key, getattr(state, "params", None), origin
+            )
         bound = self.policy.bind(state)
         policy = self.policy if bound is None else bound
         n = tasks.size * self.groups
@@ -224,274 +230,51 @@ class EpisodeRollout:
             EpisodeId(int(tasks[i // self.groups]), step, i % self.groups, int(seeds[i]))
             for i in range(n)
         ]
-        run = _Collection(self, ids, version)
+        run = Collection(self, ids, version, origin, journaled)
         try:
-            for slot in run.slots:
-                run.open(slot)
+            for index in range(n):
+                run.open(index)
             rounds = jax.random.fold_in(key, _ROUNDS)
             for turn in range(self.max_turns):
                 if not run.running():
                     break
-                run.turn(policy, jax.random.fold_in(rounds, turn))
+                run.turn(policy, jax.random.fold_in(rounds, turn), turn)
         except BaseException as error:
-            raise run.abort(error) from _cause(error)
-        return [slot.episode(run.origin) for slot in run.slots]
+            raise run.abort(error) from cause_of(error)
+        self._restored = None if journaled is None else journaled.restored_turns
+        return [slot.episode(origin) for slot in run.slots]
+
+    def _identity(self, tasks: np.ndarray, updates: int) -> dict[str, Any]:
+        """What the journal checks besides the key, topology and policy (JSON values)."""
+        return {
+            "tasks": tasks.tolist(),
+            "updates": updates,
+            "sampling": dataclasses.asdict(self.sampling),
+            "settings": {
+                "max_prompt_tokens": self.max_prompt_tokens,
+                "max_new_tokens": self.max_new_tokens,
+                "max_turns": self.max_turns,
+                "groups": self.groups,
+            },
+        }
+
+    def checkpointed(self, step: int) -> None:
+        """Called by the Trainer after it starts a checkpoint: prunes the journal."""
+        if self.journal is not None:
+            self.journal.checkpointed(step)
 
     def metrics(self) -> dict[str, float]:
         """Numbers about the last call's episodes, for logging (empty before the first).
 
         ``reward/mean`` and ``reward/positive`` over scored episodes, ``episode/turns``
         (model calls per episode), ``episode/completed`` and ``episode/truncated`` (shares),
-        ``response/length`` (sampled ids per call, EOS included).
+        ``response/length`` (sampled ids per call, EOS included); with a journal,
+        ``journal/restored_turns`` (turns the last call took from the journal).
         """
-        return dict(self._metrics)
-
-
-class _Slot:
-    """One episode being collected: its environment and what it has recorded so far."""
-
-    def __init__(self, episode_id: EpisodeId) -> None:
-        self.id = episode_id
-        self.manager: Any = None  # what the factory returned (its __exit__ releases)
-        self.env: Any = None  # what __enter__ returned (reset/step are called on it)
-        self.open = False
-        self.first: Observation | None = None
-        self.transitions: list[Transition] = []
-        self.status = EpisodeStatus.RUNNING
-        self.detail = ""
-        self.reward: float | None = None
-        self.recorded = False
-        self.pending: Action | None = None  # sent to step(), no observation back yet
-
-    def episode(self, origin: Origin) -> Episode:
-        first = self.first
-        if first is None:  # reset never returned: the failure stands in for its observation
-            first = Observation(status=EpisodeStatus.ERROR, detail=self.detail)
-        return Episode(
-            self.id,
-            first,
-            self.transitions,
-            self.status,
-            self.detail,
-            self.reward,
-            origin=origin,
-        )
-
-    @property
-    def context(self) -> np.ndarray:
-        last = self.transitions[-1].observation if self.transitions else self.first
-        return last.context
-
-
-class _Collection:
-    """The slots of one collection and the rules that move them (module docstring, 2-5)."""
-
-    def __init__(self, rollout: EpisodeRollout, ids: Sequence[EpisodeId], version: int) -> None:
-        self.rollout = rollout
-        self.slots = [_Slot(i) for i in ids]
-        self.version = version
-        self.origin = Origin()
-        self.at: _Slot | None = None  # the slot whose environment or verifier runs now
-
-    def running(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if s.status is EpisodeStatus.RUNNING]
-
-    def open(self, slot: _Slot) -> None:
-        self.at = slot
-        manager = self.rollout.environment(slot.id)
-        slot.env = manager.__enter__()
-        slot.manager, slot.open = manager, True
-        first = slot.env.reset()
-        if isinstance(first, Observation) and first.status in (
-            EpisodeStatus.COMPLETED,
-            EpisodeStatus.TRUNCATED,
-        ):
-            raise ValueError(
-                f"reset() returned a {first.status.value} observation; expected RUNNING with "
-                "the first context"
-            )
-        self.observe(slot, first, None)
-
-    def turn(self, policy: Any, key: jax.Array) -> None:
-        running = self.running()
-        self.at = None
-        drawn = self.draw(policy, running, key)
-        for i, generation in zip(running, drawn, strict=True):
-            slot = self.slots[i]
-            self.at = slot
-            action = self.action(slot, generation)
-            if not action.stopped:
-                detail = (
-                    f"the response used max_new_tokens={self.rollout.max_new_tokens} without "
-                    "EOS; not sent to the environment"
-                )
-                cut = Observation(status=EpisodeStatus.TRUNCATED, detail=detail)
-                slot.transitions.append(Transition(action, cut))
-                self.finish(slot, EpisodeStatus.TRUNCATED, detail)
-                continue
-            slot.pending = action
-            self.observe(slot, slot.env.step(action), action)
-
-    def draw(self, policy: Any, running: list[int], key: jax.Array) -> list[Any]:
-        budget, sampling = self.rollout.max_new_tokens, self.rollout.sampling
-        if callable(getattr(policy, "batch", None)):
-            contexts = [_INERT] * len(self.slots)
-            for i in running:
-                contexts[i] = self.slots[i].context
-            out = list(policy.batch(contexts, budget, key, sampling))
-            if len(out) != len(contexts):
-                raise ValueError(
-                    f"policy.batch returned {len(out)} generations for {len(contexts)} contexts"
-                )
-            return [out[i] for i in running]
-        return [
-            policy(self.slots[i].context, budget, jax.random.fold_in(key, i), sampling)
-            for i in running
-        ]
-
-    def action(self, slot: _Slot, generation: Any) -> Action:
-        ids = np.asarray(generation.ids)
-        if ids.size > self.rollout.max_new_tokens:
-            raise ValueError(
-                f"the policy returned {ids.size} ids for a budget of "
-                f"max_new_tokens={self.rollout.max_new_tokens}"
-            )
-        action = Action(
-            slot.context,
-            ids,
-            generation.log_probs,
-            generation.behavior_log_probs,
-            generation.finish_reason == "stop",
-            self.version,
-            origin=self.origin,
-        )
-        action.check_eos(self.rollout.sampling.eos_ids)
-        return action
-
-    def observe(self, slot: _Slot, observation: Any, action: Action | None) -> None:
-        """Records what the environment returned and ends the episode where a rule says so."""
-        if not isinstance(observation, Observation):
-            what = "reset()" if action is None else "step()"
-            raise TypeError(
-                f"{slot.id}: {what} returned {type(observation).__name__}; expected an Observation"
-            )
-        if action is None:
-            slot.first = observation
-        else:
-            slot.transitions.append(Transition(action, observation))
-            slot.pending = None
-        status, detail = observation.status, observation.detail
-        rollout = self.rollout
-        if status is EpisodeStatus.ERROR:
-            slot.status, slot.detail = status, detail
-            raise EpisodeFailure(
-                f"{slot.episode(self.origin).describe()}: the environment reported ERROR: {detail}",
-                slot.episode(self.origin),
-            )
-        if status is EpisodeStatus.CANCELLED:
-            slot.status, slot.detail = status, detail
-            raise EpisodeCancelled(
-                f"{slot.episode(self.origin).describe()}: the environment cancelled it: {detail}",
-                slot.episode(self.origin),
-            )
-        if status is not EpisodeStatus.RUNNING:
-            self.finish(slot, status, detail)
-        elif observation.context.size > rollout.max_prompt_tokens:
-            self.finish(
-                slot,
-                EpisodeStatus.TRUNCATED,
-                f"the context has {observation.context.size} ids, more than "
-                f"max_prompt_tokens={rollout.max_prompt_tokens}",
-            )
-        elif len(slot.transitions) >= rollout.max_turns:
-            self.finish(
-                slot,
-                EpisodeStatus.TRUNCATED,
-                f"max_turns={rollout.max_turns} model calls reached while the environment runs",
-            )
-
-    def finish(self, slot: _Slot, status: EpisodeStatus, detail: str) -> None:
-        """Verify while the environment is open, then release it, then record."""
-        slot.status, slot.detail = status, detail
-        self.at = slot
-        slot.reward = _reward(self.rollout.verifier(slot.episode(self.origin)), slot)
-        slot.open = False
-        try:
-            slot.manager.__exit__(None, None, None)
-        except Exception as error:  # the episode is thrown out instead of scored
-            slot.status, slot.reward = EpisodeStatus.ERROR, None
-            slot.detail = f"releasing the environment failed: {error!r}"
-        self.report(slot)
-
-    def report(self, slot: _Slot) -> None:
-        slot.recorded = True
-        if self.rollout.record is not None:
-            self.rollout.record(slot.episode(self.origin))
-
-    def abort(self, error: BaseException) -> BaseException:
-        """Fails every unfinished slot, exits every open environment under ``error``,
-        records the failed episodes and returns the exception to raise."""
-        cancelled = is_cancellation(error) or isinstance(error, EpisodeCancelled)
-        status = EpisodeStatus.CANCELLED if cancelled else EpisodeStatus.ERROR
-        culprit = self.at or next(
-            (s for s in self.slots if s.status is EpisodeStatus.RUNNING), self.slots[0]
-        )
-        if not isinstance(error, EpisodeFailure):  # those set their episode's status already
-            culprit.status, culprit.reward = status, None
-            culprit.detail = f"{type(error).__name__}: {error}"
-        if culprit.pending is not None:  # keep the action step() was handling when it failed
-            ended = Observation(status=culprit.status, detail=culprit.detail)
-            culprit.transitions.append(Transition(culprit.pending, ended))
-            culprit.pending = None
-        for slot in self.slots:
-            if slot.status is EpisodeStatus.RUNNING:
-                slot.status = status
-                slot.detail = f"aborted with its collection: {culprit.id} failed"
-        for slot in self.slots:
-            if slot.open:
-                slot.open = False
-                try:
-                    slot.manager.__exit__(type(error), error, error.__traceback__)
-                except Exception as release:
-                    error.add_note(
-                        f"releasing the environment of {slot.id} also failed: {release!r}"
-                    )
-        for slot in self.slots:
-            if not slot.recorded:
-                try:
-                    self.report(slot)
-                except Exception as failure:
-                    error.add_note(f"record() raised on {slot.id}: {failure!r}")
-        episode = culprit.episode(self.origin)
-        episodes = [s.episode(self.origin) for s in self.slots]
-        if isinstance(error, EpisodeFailure):
-            error.episode, error.episodes = episode, tuple(episodes)
-            return error
-        if not isinstance(error, Exception) and not is_cancellation(error):
-            return error  # KeyboardInterrupt, SystemExit: released, then propagated as is
-        kind = EpisodeCancelled if cancelled else EpisodeFailure
-        what = "was cancelled" if cancelled else f"failed: {error!r}"
-        return kind(f"{episode.describe()} {what}", episode, episodes)
-
-
-def _cause(error: BaseException) -> BaseException | None:
-    """What the raised wrapper's ``__cause__`` is: the original, unless it is the wrapper."""
-    if isinstance(error, EpisodeFailure) or not (
-        isinstance(error, Exception) or is_cancellation(error)
-    ):
-        return error.__cause__
-    return error
-
-
-def _reward(value: Any, slot: _Slot) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(
-            f"the verifier returned {type(value).__name__} {value!r} for {slot.id}; "
-            "expected a finite float"
-        )
-    if not math.isfinite(float(value)):
-        raise ValueError(f"the verifier returned {value} for {slot.id}; expected a finite float")
-    return float(value)
+        out = dict(self._metrics)
+        if self._restored is not None and out:
+            out["journal/restored_turns"] = float(self._restored)
+        return out
 
 
 def _task_ids(batch: Mapping[str, Any]) -> np.ndarray:
