@@ -4,8 +4,11 @@ The HTTP backends (`OpenAIRolloutServer`, `VLLMGenerateServer`) and the weight p
 (`SafetensorsReload`, `NCCLPush`) talk to engines through `JSONClient`: one POST or GET,
 a JSON body each way, the standard library's ``http.client`` underneath (no new
 dependency). Every request has a deadline: the socket timeout of each blocking step
-(connect, send, each read) is the time left, so an engine that accepts the connection and
-never answers fails the request when the deadline passes instead of hanging its caller.
+(connect, send, the status line, each read of the body) is at most the time left when it
+starts, and the body is read in chunks with the deadline checked between them, so an
+engine that accepts the connection and never answers fails the request when the deadline
+passes instead of hanging its caller (one trickling its body byte by byte fails within
+twice the deadline).
 Whatever goes wrong (refused connection, timeout, a status other than 2xx, a body that is
 not JSON) raises `EngineError`, which names the URL and the step that failed.
 
@@ -146,11 +149,11 @@ class Request:
         connection.timeout = left()
         connection.connect()
         connection.request(self.method, self.client.target(self.path), payload, headers)
-        connection.sock.settimeout(left())
+        connection.sock.settimeout(left())  # each read below waits at most this long
         response = connection.getresponse()
         chunks = []
         while True:
-            connection.sock.settimeout(left())
+            left()  # a body trickling in past the deadline fails too
             chunk = response.read(1 << 16)
             if not chunk:
                 break
