@@ -89,6 +89,16 @@ def post(url: str, body: object, timeout: float = 60.0) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
+def delete(url: str, timeout: float = 10.0) -> int:
+    """DELETE; the status."""
+    request = urllib.request.Request(url, method="DELETE")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 @contextlib.contextmanager
 def start_gateway(
     workers: Sequence[str],
