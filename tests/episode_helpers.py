@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from sandbox_helpers import PY
+from sandbox_helpers import PY, alive
 
 from dew_pipe.objectives.rl import SubprocessEnvironment
 from dew_pipe.sandbox import SandboxLimits
@@ -127,3 +127,18 @@ def square_environment(
     """A SubprocessEnvironment running the square worker with ``env`` (FAULT, AUDIT...)."""
     python = PY if Path(PY).exists() else sys.executable
     return SubprocessEnvironment([python, str(write_worker(folder))], limits, env=env)
+
+
+def live_workers(folder: Path) -> list[int]:
+    """Pids of the live square workers written into ``folder`` (their script is on their
+    command line)."""
+    script = str(Path(folder) / "square_worker.py").encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if script in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from episode_helpers import square_environment
+from episode_helpers import live_workers, square_environment
 from sandbox_helpers import alive, wait_until
 from test_tool_episodes import EOS, Harness, ScriptedPolicy, episode_rollout, tasks
 
@@ -281,7 +281,7 @@ def test_a_killed_training_process_resumes_bit_identically(tmp_path):
     process = _start(crashed, "during:2:1")
     paused = wait_until(lambda: (crashed / "paused").exists() or process.poll() is not None, 240)
     assert paused and process.poll() is None, "the pause at step 2 never came"
-    worker = _workers(crashed)
+    worker = live_workers(crashed)
     assert worker
     # a second writer is refused while this one holds the journal
     refused = subprocess.run(
@@ -328,17 +328,3 @@ def test_a_killed_training_process_resumes_bit_identically(tmp_path):
 
 def _actions(run_dir: Path, step: int) -> list:
     return json.loads((run_dir / "actions" / f"{step}.json").read_text())
-
-
-def _workers(run_dir: Path) -> list[int]:
-    """Pids of the live square workers of ``run_dir`` (its script on their command line)."""
-    script = str(run_dir / "square_worker.py").encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if script in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found

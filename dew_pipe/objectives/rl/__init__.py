@@ -22,6 +22,11 @@ and rules in ``episode_collection``; ``episode_journal`` holds ``EpisodeJournal`
 crash recovery of collections) and ``subprocess_environment`` ``SubprocessEnvironment``
 (episodes served by a worker process over JSON lines, through the sandbox launcher).
 
+Harbor trials as sessions: ``gateway`` holds ``Gateway``, the client of rllm-model-gateway
+(stamps, readiness, a session's traces read back as calls) and ``harbor`` ``HarborSource``
+(each sample one Harbor trial whose harness reaches the model through the gateway; its
+``harbor_runner`` runs under Harbor's own interpreter and is never imported).
+
 Flow-GRPO: ``flow_grpo`` holds ``FlowGRPOObjective`` (the clipped per-coordinate ratio loss
 over a rectified-flow model's stochastic transitions, built on
 :class:`dew_pipe.objectives.diffusion.DiffusionObjective`) and names ``transition_kl`` (defined
@@ -57,6 +62,10 @@ _LAZY: dict[str, str] = {
     "compute_advantages": "dew_pipe.objectives.rl.advantages",
     # single-turn sessions drawn from a RolloutServer (lives above, in dew_pipe.inference)
     "PromptSource": "dew_pipe.inference.prompt_source",
+    # Harbor trials through the recording gateway
+    "Gateway": "dew_pipe.objectives.rl.gateway",
+    "GatewayError": "dew_pipe.objectives.rl.gateway",
+    "HarborSource": "dew_pipe.objectives.rl.harbor",
     # multi-turn tool episodes drawn from a RolloutServer (lives above, in dew_pipe.inference)
     "EnvironmentSource": "dew_pipe.inference.environment_source",
     # GRPO objective and its policy loss

@@ -22,14 +22,14 @@ collection key, sampling controls, the rollout's budgets, the topology (process 
 count, device counts) and a digest of the local policy (SHA-256 of this process's weight
 shards, read once per collection). Any difference is refused with a :class:`JournalError`
 naming the fields, a different policy at the same clocks in its own words. When all agree,
-finished episodes come back whole (not verified or recorded twice by their environment,
-which is never reopened), running ones reopen their environment and ``set_state`` its last
-snapshot, and a round whose draws were journaled reuses them instead of sampling, so its
-tools see the very actions the crashed process sent. A tool call that ran between its
-round's draws and its turn's commit runs again: environments make such effects idempotent
-with the episode identity and the action. A collection that fails (an exception or a
-cancellation) is discarded from the journal; an interrupt (KeyboardInterrupt, SystemExit)
-keeps it, like a crash.
+finished episodes come back whole, with their rewards (not verified again, their
+environment never reopened; ``record`` sees them again); running ones reopen their
+environment and ``set_state`` its last snapshot; and a round whose draws were journaled
+reuses them instead of sampling, so its tools see the very actions the crashed process
+sent. A tool call that ran between its round's draws and its turn's commit runs again:
+environments make such effects idempotent with the episode identity and the action. A
+collection that fails (an exception or a cancellation) is discarded from the journal; an
+interrupt (KeyboardInterrupt, SystemExit) keeps it, like a crash.
 
 One writer per rank: the journal holds an ``flock`` on ``rank-NNNNN.lock`` from its first
 use until :meth:`EpisodeJournal.close` (or the process's end, even by SIGKILL), and a second
@@ -176,9 +176,15 @@ class EpisodeJournal:
         if self._db is not None:
             return
         rank = jax.process_index()
-        self.directory.mkdir(parents=True, exist_ok=True)
         lock = self.directory / f"rank-{rank:05d}.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise JournalError(
+                f"{self}: cannot open {lock} ({error}); expected a directory the journal can "
+                "write (or nothing) at that path"
+            ) from error
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -192,29 +198,35 @@ class EpisodeJournal:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self.path = lock.with_suffix(".sqlite")
+        db = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
-            stored = db.execute("SELECT value FROM meta WHERE name = 'format'").fetchone()
-            if stored is None:
-                db.execute("INSERT INTO meta VALUES ('format', ?)", (str(FORMAT),))
-            elif stored[0] != str(FORMAT):
+            self._prepare(db)
+        except BaseException as error:
+            if db is not None:
+                db.close()
+            os.close(fd)
+            if isinstance(error, sqlite3.DatabaseError):
                 raise JournalError(
-                    f"{self}: {self.path} has journal format {stored[0]}; expected {FORMAT}"
-                )
-        except sqlite3.DatabaseError as error:
-            os.close(fd)
-            raise JournalError(f"{self}: {self.path} is not a readable journal: {error}") from error
-        except BaseException:
-            os.close(fd)
+                    f"{self}: {self.path} is not a readable journal: {error}"
+                ) from error
             raise
-        if mode != "wal":
-            db.close()
-            os.close(fd)
-            raise JournalError(f"{self}: {self.path} refused WAL mode (journal_mode={mode})")
         self._db, self._lock_fd = db, fd
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        """WAL mode, FULL synchronous commits, the tables, and the format check."""
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            raise JournalError(f"{self}: {self.path} refused WAL mode (journal_mode={mode})")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+        stored = db.execute("SELECT value FROM meta WHERE name = 'format'").fetchone()
+        if stored is None:
+            db.execute("INSERT INTO meta VALUES ('format', ?)", (str(FORMAT),))
+        elif stored[0] != str(FORMAT):
+            raise JournalError(
+                f"{self}: {self.path} has journal format {stored[0]}; expected {FORMAT}"
+            )
 
     def close(self) -> None:
         """Closes the database and releases the lock (idempotent)."""

@@ -93,8 +93,7 @@ class EpisodeRollout:
     Raises:
         TypeError: a policy without ``bind`` (or without ``batch`` and ``__call__``), a
             factory, verifier or record that is not callable, a sampling that is not a
-            `Sampling`.
-        TypeError: a journal that is not an EpisodeJournal.
+            `Sampling`, a journal that is not an EpisodeJournal.
         ValueError: a count out of range; a sampling without EOS ids; P + R - 1 longer than
             the policy model's ``max_seq_len``.
 
@@ -195,6 +194,8 @@ class EpisodeRollout:
 
         Raises:
             EpisodeFailure / EpisodeCancelled: see the module docstring.
+            JournalError: the journal holds another collection at this step, or another
+                writer holds it (nothing was opened).
             TypeError / ValueError: a batch without integer ``task_id`` rows, a state
                 without ``step``/``updates``.
         """

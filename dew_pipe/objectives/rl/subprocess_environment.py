@@ -335,10 +335,12 @@ class SubprocessSession:
         # stderr first: it ends once the worker's tree is gone, and `wait` closes the pipe.
         self._drain.join(timeout=_EXIT_WAIT_S)
         try:
+            if self._drain.is_alive():  # stderr still open: the worker runs on
+                raise subprocess.TimeoutExpired(self.factory.command, _EXIT_WAIT_S)
             report = launched.wait(timeout=_EXIT_WAIT_S)
         except subprocess.TimeoutExpired:  # it closed stdout but runs on
             self._stop()
-            return "it closed its stdout"
+            return "it closed its stdout and did not exit"
         except SandboxError as error:
             return str(error)
         number = report.get("signal")
