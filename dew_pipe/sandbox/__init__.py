@@ -9,6 +9,8 @@
   `BubblewrapRunner` (no network, read-only root, own pid namespace; no daemon needed) and
   `ContainerRunner` (a fresh Docker/Podman container per program).
 - ``fleet.py``: `SandboxFleet`, programs on worker threads through one runner.
+- ``memo.py``: `MemoFleet`, a fleet that runs each distinct program once and shares its
+  Outcome (for deterministic programs graded many times, as an RLVR job's are).
 
 Linux only (prctl, /proc, namespaces). Names resolve lazily, so importing the package stays
 cheap.
@@ -36,6 +38,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "BubblewrapRunner": ("dew_pipe.sandbox.runners", "BubblewrapRunner"),
     "ContainerRunner": ("dew_pipe.sandbox.runners", "ContainerRunner"),
     "SandboxFleet": ("dew_pipe.sandbox.fleet", "SandboxFleet"),
+    "MemoFleet": ("dew_pipe.sandbox.memo", "MemoFleet"),
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
