@@ -178,6 +178,12 @@ def test_construction_refuses_bad_arguments(tmp_path):
     env = SubprocessEnvironment(["true"])(EPISODE)
     with pytest.raises(RuntimeError, match="outside the session's context"):
         env.reset()
+    with square_environment(tmp_path)(EPISODE) as env:
+        env.reset()
+    with pytest.raises(RuntimeError, match="outside the session's context"):
+        env.reset()  # after the exit
+    with pytest.raises(RuntimeError, match="a session runs once"):
+        env.__enter__()
 
 
 # ---------------------------------------------------------------------------- a cohort

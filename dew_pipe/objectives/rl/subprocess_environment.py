@@ -175,6 +175,7 @@ class SubprocessSession:
         self._launched: Launched | None = None
         self._deadline = 0.0
         self._failed: str | None = None
+        self._closed = False
         self._stderr = bytearray()
         self._drain: threading.Thread | None = None
 
@@ -202,6 +203,7 @@ class SubprocessSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._closed = True
         try:
             self._stop()
         finally:
@@ -268,7 +270,7 @@ class SubprocessSession:
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """Sends one request and returns its reply object, or raises WorkerError."""
         what = request["type"]
-        if self._launched is None:
+        if self._launched is None or self._closed:
             raise RuntimeError(f"{self._who()}: {what} outside the session's context")
         if self._failed is not None:
             raise WorkerError(f"{self._who()}: {what} after the worker failed: {self._failed}")
