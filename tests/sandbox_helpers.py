@@ -1,4 +1,5 @@
-"""Programs and process checks shared by the sandbox tests (test_fleet, test_launch).
+"""Programs and process checks shared by the sandbox tests (test_fleet, test_launch, and the
+rewards and code task on bubblewrap).
 
 Hostile programs are Python source run by the sandbox's own ``python3``; "nothing left
 running" is checked from outside, by pid (`alive`) or by a marker in the command line that
@@ -117,3 +118,18 @@ while True:
 def fork_bomb_limits() -> SandboxLimits:
     """Short and small: a fork bomb meets its process limit within the deadline."""
     return SandboxLimits(wall_seconds=2, processes=16, memory_bytes=256 * 2**20)
+
+
+def bubblewrap_runner():
+    """A `BubblewrapRunner`; skips where bwrap cannot sandbox, except under CI (``CI`` set),
+    where the isolating runner must be tested for real and a missing one fails the test."""
+    import pytest
+
+    from dew_pipe.sandbox import BubblewrapRunner, SandboxError
+
+    try:
+        return BubblewrapRunner()
+    except SandboxError as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))

@@ -521,12 +521,11 @@ def test_code_reward_on_bubblewrap(fleet):
     writes beside itself fails there, while it passes under ProcessRunner."""
     import socket
 
-    from dew_pipe.sandbox import BubblewrapRunner, SandboxError, SandboxFleet, SandboxLimits
+    from sandbox_helpers import bubblewrap_runner
 
-    try:
-        runner = BubblewrapRunner()
-    except SandboxError as error:
-        pytest.skip(str(error))
+    from dew_pipe.sandbox import SandboxFleet, SandboxLimits
+
+    runner = bubblewrap_runner()
     with socket.create_server(("127.0.0.1", 0), backlog=16) as server:  # the host's loopback
         port = server.getsockname()[1]
         network = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2).close()\n"
