@@ -116,7 +116,7 @@ def test_a_gateway_that_never_answers_fails_every_step_on_time():
             with pytest.raises(GatewayError, match=f"gateway {step}: .* {url}/") as info:
                 call()
             assert time.monotonic() - start < 2.0
-            assert "failed within 0.4 s" in str(info.value)
+            assert "no answer within 0.4 s" in str(info.value)
         start = time.monotonic()
         with pytest.raises(GatewayError, match="not ready within 1 s"):
             gateway.ready(1.0, interval=0.1)
@@ -125,7 +125,7 @@ def test_a_gateway_that_never_answers_fails_every_step_on_time():
 
 def test_a_refused_connection_names_the_url_and_step():
     url = dead_url().removesuffix("/v1")
-    with pytest.raises(GatewayError, match=f"gateway traces: GET {url}/sessions/s/traces"):
+    with pytest.raises(GatewayError, match=f"gateway traces: GET {url}/sessions/s/traces .*Connection ?Refused"):
         Gateway(url, timeout=2).traces("s")
 
 

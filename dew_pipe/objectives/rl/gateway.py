@@ -31,24 +31,35 @@ outside the loopback range unless ``trusted_network=True``; give sandboxes a
 from __future__ import annotations
 
 import ipaddress
-import json
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 from dew_pipe._validate import check_float, check_int
+from dew_pipe.inference.servers.http_json import EngineError, JSONClient
 from dew_pipe.objectives.rl.session_records import Call
 
 __all__ = ["Gateway", "GatewayError", "call_of_trace"]
 
-_MAX_BODY = 256 * 1024 * 1024  # a session's traces with raw requests can be large; not unbounded
 
+class GatewayError(EngineError):
+    """A gateway request failed: the message names the URL and the step (``stamp``...).
 
-class GatewayError(RuntimeError):
-    """A gateway request failed: the message names the URL and the step."""
+    An `EngineError` (``url``, ``step``, ``status``, ``body``), since the gateway is the
+    engine its harnesses see.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        step: str | None = None,
+        status: int | None = None,
+        body: Any = None,
+    ) -> None:
+        super().__init__(message, url=url, step=step, status=status, body=body)
 
 
 def _loopback(url: str) -> bool:
@@ -187,6 +198,7 @@ class Gateway:
                 "network only the trainer reaches)"
             )
         self.trusted_network = trusted_network
+        self._client = JSONClient(self.url, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"Gateway({self.url!r}, sandbox_url={self.sandbox_url!r})"
@@ -206,35 +218,16 @@ class Gateway:
         *,
         timeout: float | None = None,
     ) -> Any:
-        """One JSON request; its decoded answer. Raises GatewayError naming URL and step."""
-        url = self.url + path
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        seconds = self.timeout if timeout is None else timeout
+        """One JSON request (`JSONClient`: a deadline on every byte); its decoded answer."""
         try:
-            with urllib.request.urlopen(request, timeout=seconds) as answer:
-                raw = answer.read(_MAX_BODY + 1)
-        except urllib.error.HTTPError as error:
-            text = error.read(2000).decode(errors="replace").strip()
+            return self._client.request(method, path, body, timeout=timeout, step=step).send()
+        except EngineError as error:
             raise GatewayError(
-                f"gateway {step}: {method} {url} answered HTTP {error.code}: {text!r}"
-            ) from error
-        except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
-            reason = getattr(error, "reason", error)
-            raise GatewayError(
-                f"gateway {step}: {method} {url} failed within {seconds:g} s: {reason}"
-            ) from error
-        if len(raw) > _MAX_BODY:
-            raise GatewayError(
-                f"gateway {step}: {method} {url} answered more than {_MAX_BODY} bytes"
-            )
-        try:
-            return json.loads(raw)
-        except ValueError as error:
-            raise GatewayError(
-                f"gateway {step}: {method} {url} answered non-JSON {raw[:200]!r}"
+                f"gateway {step}: {error}",
+                url=error.url,
+                step=step,
+                status=error.status,
+                body=error.body,
             ) from error
 
     # ------------------------------------------------------------------ the API
@@ -257,12 +250,16 @@ class Gateway:
                 "stamp", "POST", "/admin/weight_version", {"weight_version": version}
             )
         except GatewayError as error:
-            if "HTTP 404" in str(error) or "HTTP 405" in str(error):
+            if error.status in (404, 405):
                 raise GatewayError(
                     f"{error}; this gateway has no /admin/weight_version route, so it cannot "
                     "stamp calls with versions (rllm-model-gateway 0.1.0 on PyPI predates the "
                     "route); publish without stamp= and give the source the publisher, whose "
-                    "version at submission then labels each call"
+                    "version at submission then labels each call",
+                    url=error.url,
+                    step="stamp",
+                    status=error.status,
+                    body=error.body,
                 ) from error
             raise
         echoed = answer.get("weight_version") if isinstance(answer, Mapping) else None
@@ -302,7 +299,7 @@ class Gateway:
             >>> Gateway("http://127.0.0.1:9").ready(0.2)   # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            dew_pipe.objectives.rl.gateway.GatewayError: gateway ready: not ready within 0.2 s at http://127.0.0.1:9; last poll: gateway workers: GET http://127.0.0.1:9/health/workers failed within ... s: ...
+            dew_pipe.objectives.rl.gateway.GatewayError: gateway ready: not ready within 0.2 s at http://127.0.0.1:9; last poll: gateway workers: GET http://127.0.0.1:9/health/workers ...
         """
         timeout = check_float("timeout", timeout, minimum=0.0)
         interval = check_float("interval", interval, above=0.0)
