@@ -27,6 +27,7 @@ from gateway_helpers import (
     engine_log_probs,
     harbor_python,
     post,
+    python312_present,
     require,
     start_gateway,
 )
@@ -154,7 +155,7 @@ def test_the_runner_is_beside_the_module():
 @pytest.fixture
 def harbor_env():
     """Harbor's interpreter and the environment the plugins need, or a skip saying why."""
-    python = require(harbor_python(), "Harbor (Python 3.12)")
+    python = require(harbor_python(), "Harbor (Python 3.12)", present=python312_present())
     try:
         from dew_pipe.sandbox.runners import find_bwrap
 
