@@ -46,6 +46,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Completion": ("dew_pipe.inference.servers.openai_completions", "Completion"),
     "VLLMGenerateServer": ("dew_pipe.inference.servers.vllm_generate", "VLLMGenerateServer"),
     "SafetensorsReload": ("dew_pipe.inference.servers.publication", "SafetensorsReload"),
+    "NCCLPush": ("dew_pipe.inference.servers.nccl_push", "NCCLPush"),
     "Publication": ("dew_pipe.inference.servers.publication", "Publication"),
     "EngineError": ("dew_pipe.inference.servers.http_json", "EngineError"),
     "JSONClient": ("dew_pipe.inference.servers.http_json", "JSONClient"),

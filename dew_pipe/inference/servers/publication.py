@@ -269,7 +269,7 @@ class SafetensorsReload:
     def _vllm(self, client: JSONClient, version: str) -> None:
         client.post("/pause?mode=wait", step="pause")
         client.post("/collective_rpc", {"method": "reload_weights"}, step="reload_weights")
-        _succeeded(client, "/reset_prefix_cache", None, "reset_prefix_cache")
+        require_success(client, "/reset_prefix_cache", None, "reset_prefix_cache")
         answer = client.post(
             "/update_weight_version", {"new_version": version}, step="update_weight_version"
         )
@@ -284,7 +284,7 @@ class SafetensorsReload:
             "abort_all_requests": False,
             "weight_version": version,
         }
-        _succeeded(client, "/update_weights_from_disk", body, "update_weights_from_disk")
+        require_success(client, "/update_weights_from_disk", body, "update_weights_from_disk")
 
 
 def _refused(client: JSONClient, path: str, step: str, answer: Any) -> EngineError:
@@ -298,7 +298,7 @@ def _refused(client: JSONClient, path: str, step: str, answer: Any) -> EngineErr
     )
 
 
-def _succeeded(client: JSONClient, path: str, body: Any, step: str) -> None:
+def require_success(client: JSONClient, path: str, body: Any, step: str) -> None:
     """POSTs and requires ``{"success": true}`` in the answer."""
     answer = client.post(path, body, step=step)
     if not (isinstance(answer, dict) and answer.get("success") is True):
