@@ -79,7 +79,9 @@ class Objective(Protocol):
 
         Metrics should include ``"tokens"`` (loss-bearing tokens, float) when the
         objective has such a notion: the Trainer reports tokens/s from it and weights
-        accumulated microbatches by it.
+        accumulated microbatches by it. A ``"trainable"`` metric of 0 makes the step
+        consume the batch without an update (nothing to learn from; see
+        :mod:`dew_pipe.training.step`).
         """
         ...
 

@@ -15,6 +15,12 @@ One call of the update consumes one batch (a microbatch when accumulating):
    concatenated batch.
 4. EMA after each committed update: ``ema = decay * ema + (1 - decay) * params``;
    ``decay == 1`` is never computed, so a frozen reference stays bit-identical.
+
+An objective may report a scalar ``"trainable"`` metric: where it is 0 (False) the batch
+has nothing to learn from (a PPO cohort without a trainable action id) and the step
+consumes it without an update, as the NaN guard's "skip" does: params, optimizer state,
+accumulation window, EMA and ``updates`` stay as they were, so even a stateful optimizer
+(Adam's moments) does not move. Objectives that do not report it always update.
 """
 
 from __future__ import annotations
@@ -236,15 +242,26 @@ def build_update(
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = learning_rate(state.opt_state.inner if accumulate > 1 else state.opt_state)
         advanced = state.replace(step=state.step + 1, rng=rng)
+
+        def maybe_learn(s: TrainState) -> tuple[TrainState, jax.Array]:
+            if "trainable" not in metrics:
+                return learn(s, grads, weight)
+            return jax.lax.cond(
+                metrics["trainable"].astype(bool),
+                lambda s: learn(s, grads, weight),
+                lambda s: (s, jnp.array(False)),
+                s,
+            )
+
         if guard is None:
-            new, committed = learn(advanced, grads, weight)
+            new, committed = maybe_learn(advanced)
         else:
             # "raise" hands back the untouched state so the host can raise on it;
             # "skip" consumes the batch (step and rng advance) without learning.
             fallback = state if guard == "raise" else advanced
             new, committed = jax.lax.cond(
                 finite,
-                lambda s: learn(s, grads, weight),
+                maybe_learn,
                 lambda s: (fallback, jnp.array(False)),
                 advanced,
             )
