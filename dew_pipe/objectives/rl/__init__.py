@@ -22,6 +22,11 @@ and rules in ``episode_collection``; ``episode_journal`` holds ``EpisodeJournal`
 crash recovery of collections) and ``subprocess_environment`` ``SubprocessEnvironment``
 (episodes served by a worker process over JSON lines, through the sandbox launcher).
 
+PPO with a critic: ``critic`` holds ``ValueHead`` and the clipped value loss, ``gae`` the
+advantage estimation over whole episodes in packed rows, ``ppo`` ``PPOObjective`` (GRPO's
+policy loss plus the value loss on one variables tree) and ``ppo_rollout`` ``PPORollout``
+(an ``EpisodeRollout`` plus critic values and GAE targets).
+
 Harbor trials as sessions: ``gateway`` holds ``Gateway``, the client of rllm-model-gateway
 (stamps, readiness, a session's traces read back as calls) and ``harbor`` ``HarborSource``
 (each sample one Harbor trial whose harness reaches the model through the gateway; its
@@ -103,6 +108,10 @@ _LAZY: dict[str, str] = {
     # crash recovery of episodes, and the worker-process environment
     "EpisodeJournal": "dew_pipe.objectives.rl.episode_journal",
     "SubprocessEnvironment": "dew_pipe.objectives.rl.subprocess_environment",
+    # PPO with a critic: the value head, the objective, the rollout that adds GAE targets
+    "ValueHead": "dew_pipe.objectives.rl.critic",
+    "PPOObjective": "dew_pipe.objectives.rl.ppo",
+    "PPORollout": "dew_pipe.objectives.rl.ppo_rollout",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
