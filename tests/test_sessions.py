@@ -236,7 +236,9 @@ def test_estimators_refuse_bad_input():
         mean_advantages([1.0, 0.0], [0])
     with pytest.raises(TypeError, match="rewards: expected real numbers"):
         rloo_advantages([True, False], [0, 0])
-    with pytest.raises(ValueError, match=r"estimator: expected one of \['group', 'mean', 'rloo'\]"):
+    with pytest.raises(
+        ValueError, match=r"estimator: expected one of \['group', 'mean', 'reward', 'rloo'\]"
+    ):
         compute_advantages([1.0], [0], "grpo")
 
 

@@ -9,7 +9,12 @@ name     advantage of reward r in a group of n rewards   reference
 "group"  (r - mean) / (std + epsilon), std unbiased      verl compute_grpo_outcome_advantage
 "mean"   r - mean                                        same, norm_adv_by_std_in_grpo=False
 "rloo"   r - mean of the other n - 1 rewards             verl compute_rloo_outcome_advantage
+"reward" r itself (no baseline)                          PPO: GAE over the critic replaces it
 ======== =============================================== =====================================
+
+"reward" exists for PPO's pipeline view: ``pack(..., estimator="reward")`` lays each
+session's reward on its ids, where the values stage (``dew_pipe.stages.Values``) reads it
+and writes GAE advantages in its place.
 
 A group of one reward has nothing to compare with; like verl, its mean counts as 0 and its
 standard deviation as 1, so "group" gives r / (1 + epsilon) and "mean" and "rloo" give r.
@@ -31,6 +36,7 @@ __all__ = [
     "compute_advantages",
     "group_advantages",
     "mean_advantages",
+    "reward_advantages",
     "rloo_advantages",
 ]
 
@@ -139,10 +145,31 @@ def rloo_advantages(rewards: Any, groups: Any) -> np.ndarray:
     return (scale * (r - means[inverse])).astype(np.float32)
 
 
+def reward_advantages(rewards: Any, groups: Any) -> np.ndarray:
+    """The rewards themselves, compared with nothing (for PPO, whose GAE replaces them).
+
+    Args:
+        rewards: ``[n]`` finite rewards.
+        groups: ``[n]`` group ids (checked, not used).
+
+    Returns:
+        ``[n]`` float32 rewards.
+
+    Raises:
+        TypeError, ValueError: as :func:`group_advantages`.
+
+    Example:
+        >>> reward_advantages([3.0, 1.0], [0, 0]).tolist()
+        [3.0, 1.0]
+    """
+    return _grouped(rewards, groups)[0].astype(np.float32)
+
+
 ESTIMATORS: Mapping[str, Callable[[Any, Any], np.ndarray]] = {
     "group": group_advantages,
     "mean": mean_advantages,
     "rloo": rloo_advantages,
+    "reward": reward_advantages,
 }
 """The estimators ``pack`` and ``SampledRollout`` accept, by name."""
 
@@ -153,7 +180,7 @@ def compute_advantages(rewards: Any, groups: Any, estimator: str = "group") -> n
     Args:
         rewards: ``[n]`` finite rewards.
         groups: ``[n]`` group ids.
-        estimator: ``"group"``, ``"mean"`` or ``"rloo"``.
+        estimator: ``"group"``, ``"mean"``, ``"rloo"`` or ``"reward"``.
 
     Returns:
         ``[n]`` float32 advantages.
