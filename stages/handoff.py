@@ -167,23 +167,35 @@ class Handoff(Stage):
         for index, step in enumerate(ctx.read("trainer")):
             if step.batch != index:
                 raise RuntimeError(f"{self.name}: step for batch {step.batch}, expected {index}")
-            served = self._serve(ctx, index, step.version, step.params, step.position)
+            served = self._serve(
+                ctx, index, step.version, step.params, step.position, published=step.published
+            )
             if served is None:
                 return
             ctx.put("batches", Handed(index, *served))
 
     def _serve(
-        self, ctx: StageContext, index: int, version: int, params: Any, position: int | None
+        self,
+        ctx: StageContext,
+        index: int,
+        version: int,
+        params: Any,
+        position: int | None,
+        *,
+        published: tuple[int, bool, float] | None = None,
     ) -> tuple[pa.RecordBatch, SchedulerRecord | None] | None:
         """Publish, hand over, wait for the batch: ``(rows, record)``, None at end of stream.
 
-        ``position`` is the trainer's step as it takes the batch (None when unknown).
+        ``position`` is the trainer's step as it takes the batch (None when unknown);
+        ``published`` a push the caller already made (then this stage pushes nothing).
         """
         # Rescoring needs only the trainer's weights, so it may run during the push (which
         # mostly waits for the server to reach a step boundary); the handover must follow
         # the push, since rollout submits the next batch under the version it announces.
         ctx.put("params", Proximal(index, version, params))
-        if self.weights is None:
+        if published is not None:
+            served, pushed, push_s = published
+        elif self.weights is None:
             served, pushed, push_s = version, False, 0.0
         else:
             served, pushed, push_s = publish(self.weights, params, version, self.sync_every)

@@ -253,12 +253,16 @@ class Proximal:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
     """The trainer's thread to the update stage: hand over batch ``batch`` at ``version``
-    (the Trainer's step ``position``, when its state has one)."""
+    (the Trainer's step ``position``, when its state has one). ``published`` is the push
+    the caller already made (``(served, pushed, seconds)`` as ``publish`` returns them):
+    on a multi-process trainer the push is a meeting of every process, made on the
+    Trainer's thread, so the update stage must not push again."""
 
     batch: int
     version: int
     params: Any
     position: int | None = None
+    published: tuple[int, bool, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,11 @@ from dew_pipe.flow import EndOfStream, Stage, StageContext
 from dew_pipe.stages.messages import Proximal
 from dew_pipe.stages.protocols import LikelihoodScorer
 
-__all__ = ["Rescore"]
+__all__ = ["SCORED", "Rescore"]
 
-# What the scorer reads: the chains, and the recorded supports when a batch has them.
-_SCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
+SCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
+"""The packed columns the scorer reads: the chains, and the recorded supports when a batch
+has them."""
 
 
 class Rescore(Stage):
@@ -89,7 +90,7 @@ class Rescore(Stage):
                 return item
 
     def _rescored(self, proximal: Proximal, columns: dict[str, np.ndarray]) -> np.ndarray:
-        feed = {name: columns[name] for name in _SCORED if name in columns}
+        feed = {name: columns[name] for name in SCORED if name in columns}
         scored = np.asarray(self.score(proximal.params, feed))
         shape = columns["input_ids"].shape
         if scored.shape != shape:

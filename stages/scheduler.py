@@ -26,6 +26,10 @@ them again; the rest are resubmitted (cause "stale"). The Trainer tells the sche
 each checkpoint (:meth:`RolloutScheduler.checkpointed`), which lets the journal forget
 what a complete checkpoint has trained on.
 
+Several processes: a multi-process trainer runs one scheduler per process; they meet on
+the Trainer's thread at each push and at the rescoring of the pool's batch
+(:mod:`dew_pipe.stages.pool`), so this process's pipeline has no rescore stage then.
+
 Accounting: every submission ends in exactly one outcome (see ``totals`` and, with
 ``audit=True``, ``ledger``), including those still running when the pipeline stops: a stop
 (``close``, a reopened stream) is graceful, so pack learns of every submission rollout made
@@ -53,7 +57,7 @@ from dew_pipe.objectives.rl.sessions import SessionSource, Task
 from dew_pipe.objectives.rl.task_rows import task_ids
 from dew_pipe.stages.admission import Ticket
 from dew_pipe.stages.graph import GraphSettings, build_graph, rescorer, task_batch
-from dew_pipe.stages.handoff import served_version
+from dew_pipe.stages.handoff import publish, served_version
 from dew_pipe.stages.journal import Journal
 from dew_pipe.stages.messages import Handed, SchedulerRecord, Step
 from dew_pipe.stages.pack import Pack
@@ -122,8 +126,14 @@ class RolloutScheduler:
 
     Raises:
       TypeError, ValueError: bad arguments, naming the one at fault; ``max_lag`` below
-        ``ahead + sync_every - 1``; any lag without ``behavior_importance``; a multi-process
-        trainer (``jax.process_count() > 1``).
+        ``ahead + sync_every - 1``; any lag without ``behavior_importance``; on a
+        multi-process trainer, a ``journal`` or an objective with ``proximal_in_step=True``.
+
+    On a multi-process trainer (``jax.process_count() > 1``) every process builds its own
+    scheduler, on its own source, and trains on ``scheduler.tasks(data)``, so each runs the
+    task rows its data stream reads and packs its own ``rows``; the processes meet at the
+    weight push and at the proximal rescoring, which runs once over the pool's batch, and
+    a failure on one process raises on all (see :mod:`dew_pipe.stages.pool`).
 
     Example (a sketch: ``source`` and ``server`` come from ``dew_pipe.inference``)::
 
@@ -159,13 +169,6 @@ class RolloutScheduler:
         audit: bool = False,
         journal: str | os.PathLike | Journal | None = None,
     ) -> None:
-        import jax
-
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"RolloutScheduler: jax.process_count() is {jax.process_count()}; one trainer "
-                "process owns the scheduler, so multi-process trainers are refused"
-            )
         self.settings = GraphSettings(
             width=width, rows=rows, groups=groups, max_lag=max_lag, ahead=ahead,
             sync_every=sync_every, oversample=oversample, admit=admit, timeout=timeout,
@@ -186,6 +189,7 @@ class RolloutScheduler:
             journal = Journal(journal)
         self.journal: Journal | None = journal
         self.settings.check_objective(objective)
+        self._pool = _pool_for(objective, journal)
         self.objective, self.source, self.weights = objective, source, weights
         self.tasks_reader, self.log, self.reward = tasks, log, reward
         self.read_ahead = self.settings.ahead  # the Trainer reads this many batches past i
@@ -287,6 +291,8 @@ class RolloutScheduler:
             the original exception is its ``__cause__``.
         """
         del key
+        if self._pool is not None:
+            return self._pooled(state, batch)
         with self._lock:
             entry, after = self._match(batch)
             parts = self._running()
@@ -314,6 +320,54 @@ class RolloutScheduler:
         if self.log is not None and record is not None:
             self.log(record)
         return dict(packed_from_arrow(handed.rows))
+
+    def _pooled(self, state: TrainingState, batch: Mapping[str, np.ndarray]) -> dict:
+        """``__call__`` on a multi-process trainer: the same handover, with the push and
+        the rescoring as meetings of every process (see :mod:`dew_pipe.stages.pool`)."""
+        pool, ahead = self._pool, self.settings.ahead
+        version, failure = int(state.updates), None
+        with self._lock:
+            index, served = self._handed, -1
+            try:
+                entry, after = self._match(batch)
+                parts = self._running()
+                for item in (entry, *after[:ahead]):
+                    if not item.pushed:
+                        self._put(parts.tasks, item.tasks)
+                        item.pushed = True
+                position = getattr(state, "step", None)
+                position = None if position is None else int(position)
+                served = served_version(self.weights)
+            except Exception as error:  # told to every process at the meeting, then raised
+                failure = error
+            versions = pool.meet(f"handing over batch {index}", failure, served)
+            if len(set(versions)) > 1:
+                raise RuntimeError(
+                    f"RolloutScheduler: the processes serve weights versions {versions} at "
+                    f"batch {index}; expected one version (every process pushes the same)"
+                )
+            published = None
+            try:
+                published = publish(self.weights, state.params, version, self.settings.sync_every)
+            except Exception as error:
+                failure = error
+            pool.meet(f"pushing weights version {version}", failure)
+            try:
+                self._put(parts.trainer, Step(index, version, state.params, position, published))
+                try:
+                    handed: Handed = parts.outlet.get()
+                except EndOfStream:
+                    self._raise_failure()
+            except Exception as error:
+                failure = error
+            pool.meet(f"admitting batch {index}", failure)
+            columns = dict(packed_from_arrow(handed.rows))
+            columns["old_log_probs"] = pool.rescore(state.params, columns, version)
+            self._handed += 1
+        self.last_record = handed.record
+        if self.log is not None and handed.record is not None:
+            self.log(handed.record)
+        return columns
 
     def checkpointed(self, step: int) -> None:
         """The Trainer started saving a checkpoint at ``step`` (``fit`` calls this after
@@ -398,7 +452,7 @@ class RolloutScheduler:
         tasks = Inlet("tasks", output_type=TASKS_SCHEMA, capacity=ahead + 1)
         trainer = Inlet("trainer", output_type=Step, capacity=1)
         outlet = Outlet("batches", input_type=Handed, capacity=1)
-        if self._scorer is None:
+        if self._scorer is None and self._pool is None:  # a pool rescores on the Trainer's thread
             self._scorer = rescorer(self.objective)
         pipeline = build_graph(
             self.settings, tasks=tasks, source=self.source, weights=self.weights,
@@ -492,3 +546,31 @@ class RolloutScheduler:
         """Every submission with its outcome (all of them with ``audit=True``; otherwise
         only those of batches not yet packed)."""
         return [t for admission in self._admissions() for t in admission.ledger.values()]
+
+
+def _pool_for(objective: Any, journal: Journal | None) -> Any:
+    """The meetings of a multi-process trainer's processes; None on one process.
+
+    What a pool has not been made to do is refused: a journal (its replay after a resume
+    is per process, and no test shows the processes' replays agree) and an objective that
+    scores the proximal policy in its own step (the pool rescores on the Trainer's thread).
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    if journal is not None:
+        raise ValueError(
+            f"RolloutScheduler(journal=...): jax.process_count() is {jax.process_count()}; "
+            "a journal is supported on a one-process trainer only"
+        )
+    if getattr(objective, "proximal_in_step", False) is True:
+        raise ValueError(
+            f"RolloutScheduler: jax.process_count() is {jax.process_count()}, and the "
+            "objective scores the proximal policy in its own step (proximal_in_step=True); "
+            "a multi-process trainer's scheduler rescores the pool's batch itself, so it "
+            "needs proximal_in_step=False"
+        )
+    from dew_pipe.stages.pool import ProcessPool
+
+    return ProcessPool(objective)

@@ -390,13 +390,19 @@ def test_any_lag_requires_behavior_importance():
     scheduler(FakeSource(weights), weights, objective=objective, ahead=0, max_lag=0).close()
 
 
-def test_multi_process_trainers_are_refused(monkeypatch):
+def test_multi_process_trainers_refuse_what_the_pool_does_not_do(monkeypatch, tmp_path):
     import jax
 
     monkeypatch.setattr(jax, "process_count", lambda: 3)
     weights = FakeWeights()
-    with pytest.raises(ValueError, match="process_count.. is 3.*multi-process"):
-        scheduler(FakeSource(weights), weights)
+    with pytest.raises(ValueError, match=r"journal=...\): jax.process_count\(\) is 3; a journal"):
+        scheduler(FakeSource(weights), weights, journal=tmp_path / "rollouts")
+    objective = FakeObjective(W, proximal_in_step=True)
+    with pytest.raises(ValueError, match="is 3, and the objective scores the proximal policy"):
+        scheduler(FakeSource(weights), weights, objective=objective)
+    pooled = scheduler(FakeSource(weights), weights)  # the rest runs (tests/test_rollout_pool.py)
+    assert pooled._pool is not None and pooled._pool.count == 3
+    pooled.close()
 
 
 def test_sources_and_publishers_are_checked():

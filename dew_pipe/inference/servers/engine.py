@@ -96,9 +96,9 @@ class Server:
         version: the version the initial variables are served as.
         seed: seeds the stream that gives a seed to requests submitted without one.
         pad_id: the id left padding is filled with (never attended).
-        device: where the weights, the cache and the decoding run (default: JAX's first
-            device). Everything the server holds is committed to it, so each compiled
-            function keeps one compile.
+        device: where the weights, the cache and the decoding run (default: this
+            process's first device, ``jax.local_devices()[0]``). Everything the server
+            holds is committed to it, so each compiled function keeps one compile.
         gather_s: seconds an idle server waits, from the arrival of the oldest waiting
             request, for more requests before it starts them (it starts at once when they
             fill every free row). A scheduler submits a task batch one request at a time;
@@ -165,7 +165,8 @@ class Server:
         self.dtype = dtype
         self._vocab = int(self.model.config.vocab_size)
         self._eos = np.asarray(sampling.eos_ids, np.int32)
-        device = jax.devices()[0] if device is None else device
+        # this process's first device: on a multi-process job jax.devices()[0] may be another's
+        device = jax.local_devices()[0] if device is None else device
         if not isinstance(device, jax.Device):
             raise TypeError(f"device is {device!r}; expected a jax.Device")
         self.device = device
