@@ -7,6 +7,8 @@ stage          does
 ``Reward``     scores sessions a source left unscored, on worker threads
 ``Pack``       admits sessions into groups and batches, packs fixed ``[N, W]`` rows
 ``Rescore``    replaces ``old_log_probs`` with the trainer's current likelihoods
+``Values``     PPO's stage in rescore's place: critic values, rescoring, GAE targets
+               (``values.py``, with ``PolicyWeights``, the publisher of the policy subtree)
 ``Handoff``    the library view's update stage: publishes weight versions, announces each
                handover, hands each batch back to the Trainer (``handoff.py``)
 ``Train``      the pipeline view's update stage: the same, then trains on each batch itself
@@ -34,6 +36,8 @@ _LAZY: dict[str, str] = {
     "Reward": "dew_pipe.stages.reward",
     "Pack": "dew_pipe.stages.pack",
     "Rescore": "dew_pipe.stages.rescore",
+    "Values": "dew_pipe.stages.values",
+    "PolicyWeights": "dew_pipe.stages.values",
     "Handoff": "dew_pipe.stages.handoff",
     "publish": "dew_pipe.stages.handoff",
     "Train": "dew_pipe.stages.train",

@@ -284,6 +284,7 @@ def build_graph(
     owns_source: bool = False,
     group_ids: Iterator[int] | None = None,
     journal: Journal | None = None,
+    values: Stage | None = None,
     name: str = "grpo",
 ) -> Pipeline:
     """The graph's stages made from ``settings`` and wired, in a new pipeline.
@@ -309,16 +310,30 @@ def build_graph(
       journal: a :class:`~dew_pipe.stages.journal.Journal` that pack records kept
         sessions in and rollout replays a resumed run's in-flight sessions from (one
         journal, both stages); None: a resumed run samples everything in flight again.
+      values: a stage to put between pack and update instead of rescore, with rescore's
+        ports (PPO's :class:`~dew_pipe.stages.values.Values`, which rescores too); then
+        ``scorer`` must be None.
       name: the pipeline's name.
 
     Returns:
       The pipeline; its stages are "tasks", "rollout", "reward", "pack", "rescore" (unless
-      ``scorer`` is None) and "update".
+      ``scorer`` is None), ``values`` (when given) and "update".
 
     Raises:
       TypeError, ValueError: a collaborator or option the stages refuse.
     """
     s = settings
+    if values is not None and scorer is not None:
+        raise ValueError(
+            f"values={values.name!r} and a scorer: the values stage takes rescore's place "
+            "(and rescores itself), so pass scorer=None"
+        )
+    if values is not None and (s.estimator, s.truncation) != ("reward", "mask"):
+        raise ValueError(
+            f"values={values.name!r} with estimator={s.estimator!r} and truncation="
+            f"{s.truncation!r}; the values stage reads each episode's reward from pack and "
+            "masks truncated ones, so expected estimator='reward' and truncation='mask'"
+        )
     served = lambda: served_version(weights)  # noqa: E731 - read at every submission
     rollout = Rollout(
         source, groups=s.groups, oversample=s.oversample, ahead=s.ahead, max_lag=s.max_lag,
@@ -346,15 +361,12 @@ def build_graph(
         Reward(reward, workers=s.reward_workers),
         pack,
         *([] if scorer is None else [Rescore(scorer, **shape)]),
+        *([] if values is None else [values]),
         update,
     ):
         pipeline.add(stage)
-    wire(
-        pipeline,
-        ahead=s.ahead,
-        reward_workers=s.reward_workers,
-        rescore=None if scorer is None else "rescore",
-    )
+    middle = values.name if values is not None else None if scorer is None else "rescore"
+    wire(pipeline, ahead=s.ahead, reward_workers=s.reward_workers, rescore=middle)
     return pipeline
 
 
