@@ -198,7 +198,10 @@ def filtered_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     x = jnp.asarray(logits).astype(jnp.float32) / jnp.float32(sampling.temperature)
     vocab = x.shape[-1]
     if sampling.top_k is not None and sampling.top_k < vocab:
-        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
+        # The k-th value as the minimum of the k largest, not their last column: XLA turns
+        # a slice of top_k's values into a full sort of the row (about 10x slower on CPU
+        # for k=40 of 1024), and a minimum keeps its TopK kernel. Same value either way.
+        kth = jnp.min(jax.lax.top_k(x, sampling.top_k)[0], axis=-1, keepdims=True)
         x = jnp.where(x >= kth, x, -jnp.inf)
     if sampling.top_p is not None and sampling.top_p < 1.0:
         x = _top_p(x, sampling.top_p)

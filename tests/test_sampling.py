@@ -139,6 +139,14 @@ def test_filtered_distribution_matches_reference(logits, controls):
     assert (np.isfinite(want).sum(-1) >= 1).all()
 
 
+def test_top_k_compiles_to_a_top_k_not_a_sort_of_the_row():
+    # A slice of top_k's values makes XLA sort the whole row (10x slower per decode step on
+    # CPU at k=40 of 1024 ids); the k-th value is taken as the minimum of the k instead.
+    x = jnp.zeros((4, 256), jnp.float32)
+    text = jax.jit(lambda x: filtered_logits(x, Sampling(top_k=8))).lower(x).compile().as_text()
+    assert " sort(" not in text
+
+
 def test_filtered_logits_refuse_greedy(logits):
     with pytest.raises(ValueError, match="sampling is greedy"):
         filtered_logits(logits, Sampling(temperature=0))
