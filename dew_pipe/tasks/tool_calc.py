@@ -235,12 +235,14 @@ class ToolCalcTask:
         """``environment(task, identity)`` for an EnvironmentSource: each episode runs the
         worker (:mod:`~dew_pipe.tasks.tool_calc_worker`) on the task's problem in a
         :class:`~dew_pipe.objectives.rl.SubprocessEnvironment` under ``limits``
-        (default: 2 CPU seconds, 256 MiB, a 60-second session)."""
+        (default: 2 CPU seconds and 256 MiB for the worker, whose work is tiny; 300 seconds
+        for the whole session, which includes its waits for the model, the first of them
+        through the server's compiles)."""
         from dew_pipe.objectives.rl.subprocess_environment import SubprocessEnvironment
         from dew_pipe.sandbox.program import SandboxLimits
 
         if limits is None:
-            limits = SandboxLimits(cpu_seconds=2, memory_bytes=256 * 2**20, wall_seconds=60)
+            limits = SandboxLimits(cpu_seconds=2, memory_bytes=256 * 2**20, wall_seconds=300)
         command = self.command()
 
         def open_episode(task: Any, identity: Any) -> Any:
