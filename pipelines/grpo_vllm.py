@@ -48,11 +48,14 @@ from dew_pipe.flow import RunContext
 from dew_pipe.inference import (
     EngineError,
     JSONClient,
+    NativeRolloutServer,
     OpenAICompletion,
     OpenAIRolloutServer,
     PromptSource,
     Publication,
     SafetensorsReload,
+    Server,
+    ServeTask,
 )
 from dew_pipe.models.hf import Pretrained, load_pretrained
 from dew_pipe.objectives.rl import GRPOObjective, prompt_tasks
@@ -62,6 +65,7 @@ from dew_pipe.tasks import ArithmeticTask
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
 
 MAX_MODEL_LEN = 64  # the decoder's positions; pass --max-model-len 64 to vLLM
+SERVERS = ("vllm", "native")
 
 
 def launch_command(checkpoint: Path, port: int) -> str:
@@ -92,6 +96,7 @@ class Settings:
     test_size: int
     timeout: float
     seed: int
+    server: str
 
 
 def pipeline(
@@ -109,6 +114,7 @@ def pipeline(
     test_size: int = 200,  # held-out problems per probe
     timeout: float = 300.0,  # seconds any request to vLLM may take (a push too)
     seed: int = 0,
+    server: str = "vllm",  # "native": the in-process server instead (a baseline, no vLLM)
 ) -> VLLMGRPOJob:
     """The job with these settings; ``dew-pipe run`` calls ``job.run(context)``.
 
@@ -127,10 +133,12 @@ def pipeline(
     check_int("eval_every", eval_every, minimum=0)
     check_int("test_size", test_size, minimum=1)
     check_float("learning_rate", learning_rate, above=0.0)
+    if server not in SERVERS:
+        raise ValueError(f"server is {server!r}; expected one of {SERVERS}")
     JSONClient(engine, timeout=timeout)  # checks the URL and the timeout
     settings = Settings(
         engine, Path(checkpoint), steps, prompts, groups, learning_rate, sft_steps, digits,
-        max_lag, ahead, eval_every, test_size, timeout, seed,
+        max_lag, ahead, eval_every, test_size, timeout, seed, server,
     )  # fmt: skip
     task = ArithmeticTask(seed=seed, digits=digits, test_size=test_size)
     graph = GraphSettings(
@@ -162,6 +170,8 @@ class VLLMGRPOJob:
         s = self.settings
         if not (s.checkpoint / "config.json").is_file():
             self._sft_checkpoint()
+        if s.server == "native":
+            return self._grpo(None)
         client = JSONClient(s.engine, timeout=10)
         try:
             models = client.get("/v1/models", step="models")
@@ -195,7 +205,7 @@ class VLLMGRPOJob:
             f"{held_out:.1%} held out; checkpoint written to {s.checkpoint}"
         )
 
-    def _grpo(self, name: str) -> dict[str, Any]:
+    def _grpo(self, name: str | None) -> dict[str, Any]:
         s, task, graph = self.settings, self.task, self.graph
         pretrained = load_pretrained(s.checkpoint)  # the bfloat16 values vLLM serves
         model, params = pretrained.model, pretrained.variables
@@ -210,22 +220,34 @@ class VLLMGRPOJob:
         graph.check_objective(objective)
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(s.learning_rate))
         trainer = Trainer(objective, optimizer, key=jax.random.key(s.seed + 1), progress=False)
-        push = SafetensorsReload(pretrained, s.checkpoint, [s.engine], "vllm", timeout=s.timeout)
-        weights = Publication(push)  # version 0: the weights vLLM was launched with
-        completion = OpenAICompletion(name, JSONClient(f"{s.engine}/v1", timeout=s.timeout))
-        server = OpenAIRolloutServer(
-            completion, Sampling(eos_id=task.eos_id), weights, max_in_flight=s.prompts * s.groups
-        )
+        sampling = Sampling(eos_id=task.eos_id)
+        if name is None:  # the native baseline: the same model served in process
+            server = weights = NativeRolloutServer(
+                Server.from_task(
+                    ServeTask(model, params, sampling), slots=s.prompts * s.groups,
+                    capacity=graph.width - 1, seed=s.seed, pad_id=task.pad_id,
+                )
+            )  # fmt: skip
+            self._push = None
+        else:
+            self._push = SafetensorsReload(
+                pretrained, s.checkpoint, [s.engine], "vllm", timeout=s.timeout
+            )
+            weights = Publication(self._push)  # version 0: the weights vLLM was launched with
+            completion = OpenAICompletion(name, JSONClient(f"{s.engine}/v1", timeout=s.timeout))
+            server = OpenAIRolloutServer(
+                completion, sampling, weights, max_in_flight=s.prompts * s.groups
+            )
         source = PromptSource(
             server, task.reward, decode=task.decode, max_new_tokens=task.max_new_tokens,
             workers=2, seed=s.seed,
         )  # fmt: skip
         self._model, self._start = model, time.monotonic()
-        self._push = push
         before = self._held_out(params)
         self.context.print(
             f"grpo_vllm: {s.steps} GRPO updates of {s.prompts} x {s.groups} completions drawn "
-            f"by vLLM at {s.engine}; held-out greedy accuracy before: {before:.1%}"
+            f"by {'the native server' if name is None else f'vLLM at {s.engine}'}; held-out "
+            f"greedy accuracy before: {before:.1%}"
         )
         try:
             prompts = task.prompts("train", s.prompts * (s.steps + s.ahead + 2), seed=s.seed)
@@ -265,7 +287,7 @@ class VLLMGRPOJob:
         self.context.print(
             f"grpo_vllm: reward {summary['reward_first']:.3f} over the first {k} updates, "
             f"{summary['reward_last']:.3f} over the last {k}; held-out {before:.1%} -> "
-            f"{after:.1%}; vLLM serves version {weights.version}"
+            f"{after:.1%}; {'vLLM' if name else 'the server'} serves version {weights.version}"
         )
         return summary
 
@@ -280,7 +302,8 @@ class VLLMGRPOJob:
             "mismatch/kl": float(metrics.get("mismatch/kl", float("nan"))),
             "mismatch/ess": float(metrics.get("mismatch/ess", float("nan"))),
             "lag": record.lag if record else 0,
-            "push_s": round(sum(self._push.timings.values()), 3),  # the latest push's
+            # seconds of the latest push into vLLM (the native server copies in place)
+            "push_s": round(sum(self._push.timings.values()), 3) if self._push else 0.0,
             "seconds": round(time.monotonic() - self._start, 1),
         }
         if s.eval_every and (step + 1) % s.eval_every == 0:
