@@ -118,6 +118,20 @@ def test_failed_programs_are_remembered_like_any_outcome():
     assert first.verdict is again.verdict is Verdict.FAILED and len(runner.ran) == 1
 
 
+def test_a_timeout_is_not_kept_and_the_next_copy_runs_again():
+    """A loaded machine can push a quick program past its deadline: the memo keeps no TIMEOUT."""
+    runner = Counting()
+    with SandboxFleet(runner, SandboxLimits(wall_seconds=0.5), workers=1) as fleet:
+        memo = MemoFleet(fleet)
+        sleepy = py("import time; time.sleep(30)")
+        first, joined = memo.submit(sleepy), memo.submit(sleepy)  # the second joins the first
+        assert first.result().verdict is joined.result().verdict is Verdict.TIMEOUT
+        time.sleep(0.05)
+        assert len(memo) == 0
+        assert memo.submit(sleepy).result().verdict is Verdict.TIMEOUT
+    assert len(runner.ran) == 2 and (memo.runs, memo.hits) == (2, 1)
+
+
 def test_capacity_drops_the_oldest_finished_program():
     runner = Counting()
     with SandboxFleet(runner, LIMITS, workers=1) as fleet:

@@ -8,10 +8,11 @@ gets the same Outcome without running. Sandbox time then grows with the programs
 invents, not with the samples it draws.
 
 The Outcome is shared, so the memo is for programs whose Outcome depends only on those three
-things: it is not for programs that read the clock, draw random numbers or race each other,
-and a program that timed out once (say on a loaded machine) times out for every later copy.
-A submission whose run raised (`SandboxError`: the sandbox itself failed) is forgotten, so
-the next identical one runs again. The memo holds at most ``capacity`` programs, dropping the
+things: it is not for programs that read the clock, draw random numbers or race each other.
+Two outcomes are never kept, because they may be the machine's doing rather than the
+program's: a TIMEOUT (a loaded host can push a quick program past its wall deadline), and a
+run that raised (`SandboxError`: the sandbox itself failed). The submissions that joined
+such a run get its result; the next identical one runs again. The memo holds at most ``capacity`` programs, dropping the
 least recently submitted finished one first.
 
 Example:
@@ -31,7 +32,7 @@ import threading
 from typing import Protocol
 
 from dew_pipe._validate import check_int
-from dew_pipe.sandbox.program import Outcome, Program
+from dew_pipe.sandbox.program import Outcome, Program, Verdict
 
 __all__ = ["MemoFleet"]
 
@@ -56,7 +57,8 @@ class MemoFleet:
       runs: programs submitted to ``fleet``.
       hits: submissions answered from the memo (or joined to a run in progress).
 
-    Each ``submit`` returns a future of its own, so cancelling it (as `CodeReward` does
+    TIMEOUT outcomes and sandbox failures are not kept (see the module docstring). Each
+    ``submit`` returns a future of its own, so cancelling it (as `CodeReward` does
     with cases it no longer needs) never cancels the run other submissions wait on.
 
     Raises:
@@ -98,7 +100,7 @@ class MemoFleet:
         return mine
 
     def _settle(self, key: tuple, done: cf.Future[Outcome]) -> None:
-        if done.cancelled() or done.exception() is not None:
+        if done.cancelled() or done.exception() is not None or _timed_out(done.result()):
             with self._lock:
                 if self._memo.get(key) is done:
                     del self._memo[key]
@@ -119,6 +121,10 @@ class MemoFleet:
 
     def __repr__(self) -> str:
         return f"MemoFleet({self.fleet!r}, runs={self.runs}, hits={self.hits})"
+
+
+def _timed_out(outcome: Outcome) -> bool:
+    return outcome.verdict is Verdict.TIMEOUT
 
 
 def _copy(done: cf.Future[Outcome], mine: cf.Future[Outcome]) -> None:
