@@ -47,6 +47,7 @@ FLOORS: dict[str, int] = {
     "dew_pipe.sandbox": 1,  # sandboxes for untrusted programs: launcher, runners, fleet
     "dew_pipe.tasks": 1,  # task definitions: prompts, verifiers (ready jobs are pipelines)
     "dew_pipe.rewards": 1,  # verifiable rewards (MathReward, CodeReward on the sandbox fleet)
+    "dew_pipe.recipes": 1,  # stage chains: the Trainer, the objectives and SampledRollout composed
     "dew_pipe.flow": 2,
     "dew_pipe.stages": 3,
     "dew_pipe.beam": 3,  # offline jobs built from the objectives' functions
