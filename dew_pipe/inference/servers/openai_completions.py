@@ -27,7 +27,9 @@ processed_logprobs``, so a temperature other than 1 needs ``processed_logprobs=T
 filtering Sampling (top-k, top-p, min-p) is refused outright, since its draws need the kept
 ids that only vLLM's token route returns (`VLLMGenerateServer`). SGLang's completions route
 reports ``log_softmax(logits / temperature)`` before its filters, so any temperature is
-accepted and every filter refused. Greedy decoding is refused on both (see
+accepted and every filter refused (leave ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset: it
+switches SGLang to raw log-probabilities; SGLang honors the seed only under
+``--enable-deterministic-inference``). Greedy decoding is refused on both (see
 `check_remote_sampling`). Remote draws carry no raw likelihood (``Draw.log_probs`` is None):
 the scheduler rescores the proximal policy itself.
 """
