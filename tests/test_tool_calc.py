@@ -47,11 +47,11 @@ def test_the_calculator_reads_expressions_and_refuses_the_rest():
         "1776", "-2", "12", str(999999999 * 999999999),
     ]  # fmt: skip
     assert [tool.calculate(e) for e in ("", "3**4", "1234567890*2", "-3*4", "3*4=")] == ["?"] * 5
-    assert tool.decode(tool.encode("12*3=#@A")) == "12*3=#@A"
+    assert tool.decode(tool.encode("12*3=#@A?")) == "12*3=#@A?"
     with pytest.raises(ValueError, match="holds 'x'"):
         tool.encode("3x4")
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        tool.decode([21])
+        tool.decode([22])
     with pytest.raises(ValueError, match="expected '<digits><op><digits>='"):
         tool.Calculator("3*4")
 
@@ -83,8 +83,10 @@ def test_the_worker_process_answers_as_the_in_process_tool_does():
 def test_other_turns_complete_unscorable_and_unstopped_turns_are_errors():
     with TASK.local_environment(problem_task("3*4=")) as env:
         first = env.reset()
+        unreadable = env.step(act(first.context, turn("#3*")))
         other = env.step(act(first.context, turn("12")))
         cut = env.step(act(first.context, tool.encode("#3*4"), stopped=False))
+    assert tool.decode(unreadable.context.tolist()) == "3*4=#3*</s>@?" and unreadable.running
     assert other.status.value == "completed" and other.detail == "not a call or an answer: '12'"
     assert cut.status.value == "error" and cut.detail == "a turn must end on EOS"
 
@@ -105,7 +107,7 @@ def test_a_worker_given_a_bad_problem_fails_its_episode_with_a_clear_error():
 
 
 def test_sizes_fit_two_calls_and_an_answer_of_the_longest_problem():
-    longest = "999*999="
+    longest = "9" * TASK.digits + "*" + "9" * TASK.digits + "="
     context = tool.encode(longest)
     for _ in range(TASK.max_turns - 1):
         call = turn("#" + longest[:-1])
@@ -114,7 +116,7 @@ def test_sizes_fit_two_calls_and_an_answer_of_the_longest_problem():
     assert len(context) == TASK.max_prompt_tokens  # room for exactly max_turns - 1 calls
     assert len(turn("A" + tool.calculate(longest[:-1]))) <= TASK.max_new_tokens
     assert TASK.width == TASK.max_prompt_tokens + TASK.max_new_tokens
-    assert TASK.vocab_size == len(TASK.tokenizer()) == 21
+    assert TASK.vocab_size == len(TASK.tokenizer()) == 22
     assert TASK.tokenizer().encode("37*48=#@A") == tool.encode("37*48=#@A")
 
 

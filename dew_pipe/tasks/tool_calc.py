@@ -112,10 +112,10 @@ class ToolCalcTask:
     Example:
         >>> task = ToolCalcTask(seed=0)
         >>> t = task.tasks("test", 1)[0]
-        >>> task.problem_text(t), t.data["ground_truth"] == str(61 * 535)
-        ('61*535=', True)
+        >>> task.problem_text(t), t.data["ground_truth"] == str(62 * 21)
+        ('62*21=', True)
         >>> task.max_prompt_tokens, task.max_new_tokens, task.vocab_size
-        (40, 9, 21)
+        (30, 7, 22)
     """
 
     eos_id = tool.EOS  #: the id ending every turn (``</s>``)
@@ -124,13 +124,13 @@ class ToolCalcTask:
     def __init__(
         self,
         seed: int = 0,
-        digits: int = 3,
+        digits: int = 2,
         *,
         min_digits: int = 2,
         operations: str = "*",
         holdout: float = 0.05,
         test_size: int = 200,
-        tool_share: float = 0.25,
+        tool_share: float = 0.4,
         max_turns: int = 3,
     ) -> None:
         self.problem_source = ArithmeticTask(

@@ -18,7 +18,7 @@ them)::
     A1776</s>         a model turn that answers; the episode completes, detail "1776"
 
 A turn starting with ``#`` is a call (an expression ``<digits><op><digits>`` with op one of
-``+ - *``; anything else returns ``@?``), one starting with ``A`` is the final answer, and
+``+ - *``; anything else, ``?`` included, returns ``@?``), one starting with ``A`` is the final answer, and
 any other turn completes the episode with a detail the verifier cannot match. A turn that
 did not end on EOS is refused with an ``error`` status (the rollout never sends one).
 """
@@ -32,7 +32,7 @@ import sys
 
 __all__ = ["ALPHABET", "EOS", "Calculator", "calculate", "decode", "encode", "main"]
 
-ALPHABET = "0123456789+-*=#@A"  #: ids 4 onwards, in this order
+ALPHABET = "0123456789+-*=#@A?"  #: ids 4 onwards, in this order
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 CALL, RESULT, ANSWER = "#", "@", "A"
