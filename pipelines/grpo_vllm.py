@@ -64,17 +64,21 @@ from dew_pipe.stages import GraphSettings, TaskBatches, build_graph, rescorer
 from dew_pipe.tasks import ArithmeticTask
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
 
-MAX_MODEL_LEN = 64  # the decoder's positions; pass --max-model-len 64 to vLLM
 SERVERS = ("vllm", "native")
 
 
 def launch_command(checkpoint: Path, port: int) -> str:
-    """The shell command that serves ``checkpoint`` the way this pipeline expects."""
+    """The shell command that serves ``checkpoint`` the way this pipeline expects.
+
+    ``--max-model-len`` is the checkpoint's ``max_position_embeddings`` (vLLM refuses a
+    longer one).
+    """
+    positions = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
     return (
         f"VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .vllm-venv/bin/python -m "
         f"vllm.entrypoints.openai.api_server --model {checkpoint.resolve()} "
         f"--served-model-name grpo --host 127.0.0.1 --port {port} --dtype float32 "
-        f"--max-model-len {MAX_MODEL_LEN} --enforce-eager --max-logprobs 5 --seed 0"
+        f"--max-model-len {positions} --enforce-eager --max-logprobs 5 --seed 0"
     )
 
 
