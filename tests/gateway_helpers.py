@@ -51,6 +51,17 @@ def gateway_python() -> Path | None:
     return _interpreter("DEW_PIPE_GATEWAY_PYTHON", ".gateway-venv")
 
 
+def stamping_gateway_python() -> Path | None:
+    """``$DEW_PIPE_STAMPING_GATEWAY_PYTHON``: a gateway with ``/admin/weight_version``.
+
+    PyPI has only rllm-model-gateway 0.1.0, which predates the route; a stamping gateway
+    can only be installed from the rllm repository's rllm-model-gateway folder, so the
+    tests that need one run only where this variable names its interpreter.
+    """
+    named = os.environ.get("DEW_PIPE_STAMPING_GATEWAY_PYTHON")
+    return Path(named) if named and Path(named).is_file() else None
+
+
 def harbor_python() -> Path | None:
     """``$DEW_PIPE_HARBOR_PYTHON`` or ``.harbor-venv/bin/python``."""
     return _interpreter("DEW_PIPE_HARBOR_PYTHON", ".harbor-venv")
@@ -130,9 +141,13 @@ def start_gateway(
     *,
     model: str = "tiny",
     health_check_interval: float = 1.0,
+    python: Path | None = None,
 ) -> Iterator[RunningGateway]:
-    """rllm-model-gateway on a free loopback port in front of ``workers``; stopped on exit."""
-    python = require(gateway_python(), "rllm-model-gateway")
+    """rllm-model-gateway on a free loopback port in front of ``workers``; stopped on exit.
+
+    ``python``: another gateway's interpreter (default: the 0.1.0 environment).
+    """
+    python = python or require(gateway_python(), "rllm-model-gateway")
     port = free_port()
     config = workdir / f"gateway-{port}.yaml"
     lines = [

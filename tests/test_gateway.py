@@ -24,8 +24,15 @@ import uuid
 
 import numpy as np
 import pytest
-from gateway_helpers import dead_url, engine_log_probs, post, start_gateway
+from gateway_helpers import (
+    dead_url,
+    engine_log_probs,
+    post,
+    stamping_gateway_python,
+    start_gateway,
+)
 
+from dew_pipe.inference import Publication, SafetensorsReload
 from dew_pipe.objectives.rl import gateway as gateway_module
 from dew_pipe.objectives.rl.gateway import Gateway, GatewayError, call_of_trace
 from dew_pipe.objectives.rl.sessions import Session
@@ -125,7 +132,9 @@ def test_a_gateway_that_never_answers_fails_every_step_on_time():
 
 def test_a_refused_connection_names_the_url_and_step():
     url = dead_url().removesuffix("/v1")
-    with pytest.raises(GatewayError, match=f"gateway traces: GET {url}/sessions/s/traces .*Connection ?Refused"):
+    with pytest.raises(
+        GatewayError, match=f"gateway traces: GET {url}/sessions/s/traces .*Connection ?Refused"
+    ):
         Gateway(url, timeout=2).traces("s")
 
 
@@ -187,6 +196,33 @@ def test_a_session_reads_back_as_the_calls_the_engine_made(live, vllm_engine):
 def test_this_release_cannot_stamp_and_says_so(live):
     with pytest.raises(GatewayError, match="HTTP 404.*no /admin/weight_version route"):
         live.stamp(1)
+    with pytest.raises(GatewayError, match="no /admin/weight_version route"):
+        Publication(lambda variables, version: None, version=0, stamp=live.stamp)
+
+
+def test_a_stamping_gateway_labels_calls_with_the_published_version(vllm_engine, tmp_path):
+    python = stamping_gateway_python()
+    if python is None:
+        pytest.skip(
+            "no stamping rllm-model-gateway: PyPI's 0.1.0 predates /admin/weight_version; set "
+            "DEW_PIPE_STAMPING_GATEWAY_PYTHON to one installed from the rllm repository"
+        )
+    with start_gateway([vllm_engine.url + "/v1"], tmp_path, python=python) as running:
+        gateway = Gateway(running.url, timeout=120)
+        gateway.ready(60)
+        push = SafetensorsReload(
+            vllm_engine.pretrained, vllm_engine.directory, [vllm_engine.url], "vllm"
+        )
+        weights = Publication(push, version=0, stamp=gateway.stamp)  # stamps v0 at once
+        session, ask = "stamped", [{"role": "user", "content": "1+2="}]
+        _chat(gateway, session, ask)
+        try:
+            weights.load(vllm_engine.variables, 1)  # the launch weights again, as version 1
+            _chat(gateway, session, ask)
+        finally:
+            vllm_engine.restore()
+        # the gateway's stamps win over the fallback version
+        assert [call.version for call in gateway.calls(session, version=9)] == [0, 1]
 
 
 def test_a_dead_worker_fails_readiness_and_records_nothing(vllm_engine, tmp_path):
