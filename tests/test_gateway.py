@@ -159,12 +159,14 @@ def _chat(gateway: Gateway, session: str, messages, max_tokens: int = 5):
     return json.loads(body)
 
 
+@pytest.mark.slow  # the real vLLM engine
 def test_ready_sees_a_healthy_worker(live):
     live.ready(5)
     workers = live.workers()
     assert workers["healthy"] == 1 and workers["total"] == 1
 
 
+@pytest.mark.slow  # the real vLLM engine
 def test_a_session_reads_back_as_the_calls_the_engine_made(live, vllm_engine):
     session = f"read-{uuid.uuid4().hex[:6]}"
     first = [{"role": "user", "content": "12+34="}]
@@ -193,6 +195,7 @@ def test_a_session_reads_back_as_the_calls_the_engine_made(live, vllm_engine):
     assert live.calls(session, version=0) == ()
 
 
+@pytest.mark.slow  # the real vLLM engine
 def test_this_release_cannot_stamp_and_says_so(live):
     with pytest.raises(GatewayError, match="HTTP 404.*no /admin/weight_version route"):
         live.stamp(1)
@@ -200,6 +203,7 @@ def test_this_release_cannot_stamp_and_says_so(live):
         Publication(lambda variables, version: None, version=0, stamp=live.stamp)
 
 
+@pytest.mark.slow  # the real vLLM engine
 def test_a_stamping_gateway_labels_calls_with_the_published_version(vllm_engine, tmp_path):
     python = stamping_gateway_python()
     if python is None:
@@ -225,6 +229,7 @@ def test_a_stamping_gateway_labels_calls_with_the_published_version(vllm_engine,
         assert [call.version for call in gateway.calls(session, version=9)] == [0, 1]
 
 
+@pytest.mark.slow  # the real vLLM engine
 def test_a_dead_worker_fails_readiness_and_records_nothing(vllm_engine, tmp_path):
     with start_gateway([dead_url()], tmp_path, health_check_interval=0.2) as running:
         gateway = Gateway(running.url, timeout=10)

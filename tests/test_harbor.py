@@ -34,7 +34,7 @@ from gateway_helpers import (
 
 from dew_pipe.objectives.rl import harbor as harbor_module
 from dew_pipe.objectives.rl.harbor import Gateway, GatewayError, HarborSource, status_of
-from dew_pipe.objectives.rl.sessions import Status, Task
+from dew_pipe.objectives.rl.sessions import SessionSource, Status, Task
 
 TASK = HARBOR_PLUGINS / "answer_task"
 AGENT = "dew_harbor_plugins:ChatOnceAgent"
@@ -125,6 +125,7 @@ def test_bad_arguments_and_tasks_are_refused(tmp_path):
     with pytest.raises(TypeError, match="env"):
         _source(tmp_path, env={"A": 1})
     source = _source(tmp_path)
+    assert isinstance(source, SessionSource)  # what RolloutScheduler draws from
     with pytest.raises(ValueError, match="not a Harbor task"):
         source.submit(Task(0, str(tmp_path)), group=0, sample=0, attempt=0)
     with pytest.raises(ValueError, match="expected 'path'"):
