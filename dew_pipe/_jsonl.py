@@ -1,4 +1,4 @@
-"""The one writer of a run directory's JSON-lines files (``metrics.jsonl``).
+"""The one writer of a run directory's JSON-lines files (``metrics.jsonl``), and their reader.
 
 It sits at the lowest floor (standard library only) so both writers of records can use
 it: the flow runtime's :class:`dew_pipe.flow.MetricsWriter` (``flow``, ``values`` and
@@ -7,6 +7,9 @@ validation records). Each decides what goes in a record; this module decides how
 reaches the file: one JSON object per line, appended, written whole under a lock (several
 threads may share a file) and flushed at once, so ``tail -f`` and a crash see every line.
 
+:func:`read_objects` reads such a file back (a run's metrics, recorded sessions), one object
+per line, and names the file and the line of anything else.
+
 Example:
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "m.jsonl")
@@ -14,17 +17,20 @@ Example:
     ...     lines.write({"step": 1, "loss": 0.5})
     >>> open(path).read()
     '{"step": 1, "loss": 0.5}\\n'
+    >>> list(read_objects(path))
+    [(1, {'step': 1, 'loss': 0.5})]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JsonLines"]
+__all__ = ["JsonLines", "read_objects"]
 
 
 class JsonLines:
@@ -74,3 +80,30 @@ class JsonLines:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_objects(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each line of a JSON-lines file; blank lines are skipped.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not JSON, or JSON that is not an object, naming the file and
+            the line (1-based).
+    """
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path} line {number} is not JSON ({error.msg} at char {error.pos}); "
+                    "expected one JSON object per line"
+                ) from error
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{path} line {number} is a JSON {type(value).__name__}; expected one JSON "
+                    "object per line"
+                )
+            yield number, value

@@ -32,16 +32,17 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dew_pipe._files import write_atomic
+from dew_pipe._jsonl import read_objects
 
 __all__ = [
     "PANELS",
@@ -146,24 +147,7 @@ def read_metrics(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
             without any record.
     """
     path = metrics_path(run)
-    records = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path} line {number} is not JSON ({error.msg} at char {error.pos}); "
-                    "expected one JSON object per line"
-                ) from error
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"{path} line {number} is a JSON {type(record).__name__}; expected one JSON "
-                    "object per line"
-                )
-            records.append(record)
+    records = [record for _, record in read_objects(path)]
     if not records:
         raise ValueError(f"{path} is empty; expected the records of a run (was it started?)")
     return records
@@ -299,23 +283,14 @@ def _panel(ax: Any, panel: str, curves: list[Curve], runs: list[str], title: str
     ax.legend(fontsize=7, loc="best")
 
 
-def write_png(fig: Any, out: Path) -> None:
-    """Save a matplotlib figure as the PNG ``out``: under a temporary name in the same
-    folder, then renamed, so a reader never finds half a file.
+def write_png(fig: Any, out: str | os.PathLike[str]) -> Path:
+    """Save a matplotlib figure as the PNG ``out``, whole or not at all
+    (:func:`dew_pipe._files.write_atomic`).
 
     Raises:
         FileNotFoundError: ``out``'s folder does not exist.
     """
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"{out}: the folder {out.parent} does not exist")
-    handle, temporary = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(handle)
-    try:
-        fig.savefig(temporary, format="png")
-        os.replace(temporary, out)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    return write_atomic(out, lambda path: fig.savefig(path, format="png"))
 
 
 def plot_runs(
@@ -386,9 +361,7 @@ def plot_runs(
             mine = [c for curves in per_run for c in curves if c.panel == panel]
             _panel(ax, panel, mine, runs_named, panel)
     fig.tight_layout()
-    out = Path(out)
     try:
-        write_png(fig, out)
+        return write_png(fig, out)
     finally:
         plt.close(fig)
-    return out

@@ -27,8 +27,6 @@ held-out figures in its ``metrics.jsonl``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ import numpy as np
 import optax
 
 from dew_pipe import models
+from dew_pipe._files import write_atomic
 from dew_pipe._validate import check_float, check_int
 from dew_pipe.curves import plot_runs
 from dew_pipe.data import ChatMessages, Loading, PreferencePairs, Prompts
@@ -154,9 +153,7 @@ class ChainJob:
         conversations = self.output / "data" / "conversations.jsonl"
         if not conversations.exists():
             conversations.parent.mkdir(parents=True, exist_ok=True)
-            staged = conversations.with_name(".conversations.jsonl.partial")
-            chat.write_conversations(staged)
-            os.replace(staged, conversations)  # whole or absent: a rerun never reads half
+            write_atomic(conversations, chat.write_conversations)  # a rerun never reads half
         sft = ChatMessages(tokenizer, conversations, seq_len=63, seed=s["seed"], loading=load)
         pairs = PreferencePairs(
             records=chat.pair_records(), seq_len=chat.pair_width, seed=s["seed"], loading=load
@@ -205,7 +202,7 @@ class ChainJob:
         self.output.mkdir(parents=True, exist_ok=True)
         settings = self.output / SETTINGS
         if not settings.exists():
-            _write_atomic(settings, json.dumps(self._plain_settings(), indent=2) + "\n")
+            _write_text(settings, json.dumps(self._plain_settings(), indent=2) + "\n")
         s = self.settings
         context.print(
             f"chain in {self.output}: SFT {s['sft_steps']} steps, DPO {s['dpo_steps']}, GRPO "
@@ -225,8 +222,9 @@ class ChainJob:
                 k.replace("/", "_"): round(record[k], 4) for k in SHOWN if record.get(k) is not None
             }
             total = next(st.steps for st in stages if st.name == name)
-            context.progress(f"{name} steps", record["step"], total)  # before the values:
-            context.log(step=record["step"], phase=name, **shown)  # a line shows this phase
+            with context.display.held():  # the step's progress and values on one line
+                context.progress(f"{name} steps", record["step"], total)
+                context.log(step=record["step"], phase=name, **shown)
 
         def finished(stage: Stage, state: Any) -> None:
             held = self.chat.evaluate(self.model, state.params, s["test_size"])
@@ -265,7 +263,7 @@ class ChainJob:
         )
         summary["wall_s"] = round(time.monotonic() - start, 1)
         summary["settings"] = self._plain_settings()
-        _write_atomic(self.output / "summary.json", json.dumps(summary, indent=2) + "\n")
+        _write_text(self.output / "summary.json", json.dumps(summary, indent=2) + "\n")
         context.print(
             f"held-out exact match after SFT {summary['held_out']['sft']:.1%}, DPO "
             f"{summary['held_out']['dpo']:.1%}, GRPO {summary['held_out']['grpo']:.1%}; "
@@ -281,11 +279,8 @@ class ChainJob:
             raise Cancelled("the chain was cancelled; run the same command to resume it")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
+def _write_text(path: Path, text: str) -> Path:
+    return write_atomic(path, lambda temporary: Path(temporary).write_text(text))
 
 
 def _save_weights(path: Path, variables: Any) -> Path:
@@ -297,8 +292,4 @@ def _save_weights(path: Path, variables: Any) -> Path:
         "/".join(str(getattr(k, "key", k)) for k in keys): np.ascontiguousarray(leaf)
         for keys, leaf in flat
     }
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    save_file(tensors, temporary)
-    os.replace(temporary, path)
-    return path
+    return write_atomic(path, lambda temporary: save_file(tensors, temporary))

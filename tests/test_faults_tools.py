@@ -66,7 +66,7 @@ def _audit_case(case, tmp_path):
     bad = {"traces not JSON": "{oops", "traces bad session": _session_line(status="DONE"),
            "traces bad calls": _session_line(calls={"prompt_ids": [1]})}[case]  # fmt: skip
     traces.write_text(_session_line() + "\n" + bad + "\n")
-    return ["audit", "sessions", str(traces)], 1, "traces.jsonl line 2:"
+    return ["audit", "sessions", str(traces)], 1, "traces.jsonl line 2"
 
 
 PLOT_CASES = ["missing run", "empty metrics", "malformed line", "nothing to plot",

@@ -119,3 +119,14 @@ def test_plain_line_rate_is_over_the_last_interval():
     rate_first = float(first.split("steps 10/100 ")[1].split("/s")[0])
     rate_now = float(display.line().split("steps 12/100 ")[1].split("/s")[0])
     assert 20 < rate_first < 60 and rate_now < 15  # 10 steps in 0.2 s, then 2 in 0.2 s
+
+
+def test_updates_held_together_reach_one_line_together():
+    out = io.StringIO()
+    display = Display(Console(file=out, width=1000), live=False, interval=0)
+    with display.held():  # interval 0: each update alone would print a line
+        display.progress("dpo steps", 10, 50)
+        display.values(step=10, phase="dpo", loss=0.6)
+        assert out.getvalue() == ""
+    (line,) = out.getvalue().splitlines()
+    assert "dpo steps 10/50" in line and "step=10 phase=dpo loss=0.6" in line

@@ -195,8 +195,8 @@ def test_read_traces_round_trips_and_cli_reports(tmp_path, capsys, qwen3_like):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("{not json", "line 3: not JSON"),
-        ("[1, 2]", "line 3: a JSON list; expected one session object"),
+        ("{not json", "line 3 is not JSON"),
+        ("[1, 2]", "line 3 is a JSON list; expected one JSON object per line"),
         ('{"task_id": 1, "calls": []}', "line 3: not a valid session: missing field 'group'"),
         ("CALLS_STR", "line 3: field 'calls' is str"),
         ("BAD_STATUS", "line 3: not a valid session: status='DONE'"),

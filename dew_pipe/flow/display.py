@@ -19,8 +19,10 @@ The terminal view shows all of it. Off a terminal (a log file, CI) a line every
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console, Group
@@ -90,6 +92,7 @@ class Display:
         self._progress_mark: dict[str, tuple[float, float]] = {}  # label -> (done, time)
         self._latest_progress: str | None = None
         self._busy_mark: tuple[float, dict[str, float]] | None = None  # (elapsed, busy_s)
+        self._holds = 0  # open held() blocks
 
     # ------------------------------------------------------------------ feeding
 
@@ -129,6 +132,30 @@ class Display:
             self._snapshot = snapshot
         self._tick()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Feed several updates as one: no plain line is printed until the block ends.
+
+        A step's progress and its values then always reach a line together.
+
+        Example:
+          >>> import io
+          >>> display = Display(Console(file=io.StringIO()), live=False, interval=0)
+          >>> with display.held():
+          ...     display.progress("steps", 10, 100)
+          ...     display.values(loss=0.5)
+          >>> "steps 10/100" in display.console.file.getvalue().splitlines()[0]
+          True
+        """
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+            self._tick()
+
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> Display:
@@ -152,8 +179,8 @@ class Display:
     # ------------------------------------------------------------------ rendering
 
     def _tick(self) -> None:
-        if self.live:
-            return  # the live view redraws itself
+        if self.live or self._holds:
+            return  # the live view redraws itself; a held block prints when it ends
         now = time.monotonic()
         if now - self._last_line >= self.interval:
             self._last_line = now

@@ -29,7 +29,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dew_pipe._files import write_atomic
 from dew_pipe._validate import check_int
 from dew_pipe.models import hf_config
 from dew_pipe.models.config import TransformerConfig
@@ -421,7 +421,9 @@ class Pretrained:
         for file, names in shards.items():
             part = {name: tensors[name] for name in names}
             written.append(
-                _atomic(target / file, lambda p, part=part: save_file(part, p, {"format": "pt"}))
+                write_atomic(
+                    target / file, lambda p, part=part: save_file(part, p, {"format": "pt"})
+                )
             )
         if len(shards) > 1:
             index = {
@@ -429,12 +431,12 @@ class Pretrained:
                 "weight_map": {name: file for file, names in shards.items() for name in names},
             }
             text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-            written.append(_atomic(target / INDEX_FILE, lambda p: Path(p).write_text(text)))
+            written.append(write_atomic(target / INDEX_FILE, lambda p: Path(p).write_text(text)))
         _remove_stale(target, set(shards) | ({INDEX_FILE} if len(shards) > 1 else set()))
         config = self.config.__class__.from_dict(self.config.to_dict())
         config.dtype = str(next(iter(tensors.values())).dtype)
         text = _with_legacy_keys(config.to_json_string(use_diff=True))
-        written.append(_atomic(target / "config.json", lambda p: Path(p).write_text(text)))
+        written.append(write_atomic(target / "config.json", lambda p: Path(p).write_text(text)))
         written += self._copy_companions(target)
         return written
 
@@ -445,7 +447,9 @@ class Pretrained:
         for name in _COMPANIONS:
             if (self.source / name).is_file():
                 copied.append(
-                    _atomic(target / name, lambda p, n=name: shutil.copyfile(self.source / n, p))
+                    write_atomic(
+                        target / name, lambda p, n=name: shutil.copyfile(self.source / n, p)
+                    )
                 )
         return copied
 
@@ -479,21 +483,6 @@ def _shard(tensors: Mapping[str, np.ndarray], limit: int) -> dict[str, list[str]
         return {SINGLE_FILE: groups[0]}
     n = len(groups)
     return {f"model-{k + 1:05d}-of-{n:05d}.safetensors": names for k, names in enumerate(groups)}
-
-
-def _atomic(path: Path, write: Callable[[str], Any]) -> Path:
-    """Writes through ``write(temporary path)`` beside ``path`` and moves it in."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        write(temporary)
-        os.chmod(temporary, 0o644)  # mkstemp makes 0600; servers often run as another user
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    return path
 
 
 def _remove_stale(directory: Path, keep: set[str]) -> None:

@@ -16,14 +16,13 @@ JSON line per prompt::
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from dew_pipe._files import write_atomic
 from dew_pipe.data.chat import Role
 from dew_pipe.data.text_columns import decode_text_column
 from dew_pipe.inference.generation import generate
@@ -83,7 +82,7 @@ def stage_prompts(stage: Any, count: int) -> tuple[list[np.ndarray], list[tuple[
 def write_samples(path: Path, model: Any, variables: Any, stage: Any, key: jax.Array) -> Path:
     """Draw the stage's ``sample`` previews under ``variables`` and write them to ``path``.
 
-    The file is written under a temporary name and renamed, so it is whole or absent.
+    The file appears whole or not at all (:func:`dew_pipe._files.write_atomic`).
 
     Raises:
         ValueError: as :func:`stage_prompts`, or a prompt too long for the model's
@@ -108,8 +107,5 @@ def write_samples(path: Path, model: Any, variables: Any, stage: Any, key: jax.A
             source, truth, extra = metadata[row]
             line["reward"] = float(stage.reward(source, line["text"], truth, extra))
         lines.append(json.dumps(line))
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as file:
-        file.write("\n".join(lines) + "\n")
-    os.replace(temporary, path)
-    return path
+    text = "\n".join(lines) + "\n"
+    return write_atomic(path, lambda temporary: Path(temporary).write_text(text))

@@ -88,12 +88,10 @@ def plot_run(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     _timeline(timeline, records)
     _grpo_panel(grpo, records)
     fig.tight_layout()
-    out = Path(out)
     try:
-        write_png(fig, out)
+        return write_png(fig, out)
     finally:
         plt.close(fig)
-    return out
 
 
 def _timeline(ax: Any, records: list[Mapping[str, Any]]) -> None:

@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import Counter
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dew_pipe._jsonl import read_objects
 from dew_pipe.objectives.rl.packing import session_chains
 from dew_pipe.objectives.rl.session_arrow import from_arrow
 from dew_pipe.objectives.rl.session_records import Call, Session, check_sessions
@@ -192,32 +192,17 @@ def read_traces(path: str | os.PathLike[str]) -> list[Session]:
         raise FileNotFoundError(f"{path}: no such file; expected recorded sessions (.jsonl)")
     rows: list[tuple[int, dict[str, Any]]] = []
     sessions: list[Session] = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path} line {number}: not JSON ({error.msg} at char {error.pos}); "
-                    "expected one session object per line"
-                ) from error
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path} line {number}: a JSON {type(row).__name__}; expected one session "
-                    "object per line"
-                )
-            calls = row.get("calls")
-            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-                raise ValueError(
-                    f"{path} line {number}: field 'calls' is {type(calls).__name__} "
-                    f"{str(calls)[:40]!r}; expected a list of call objects"
-                )
-            rows.append((number, row))
-            if len(rows) == _CHUNK:
-                sessions += _convert(rows, str(path))
-                rows = []
+    for number, row in read_objects(path):
+        calls = row.get("calls")
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise ValueError(
+                f"{path} line {number}: field 'calls' is {type(calls).__name__} "
+                f"{str(calls)[:40]!r}; expected a list of call objects"
+            )
+        rows.append((number, row))
+        if len(rows) == _CHUNK:
+            sessions += _convert(rows, str(path))
+            rows = []
     if rows:
         sessions += _convert(rows, str(path))
     if not sessions:
