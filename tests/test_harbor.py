@@ -16,6 +16,7 @@ tests skip saying which is missing (under CI they fail).
 
 from __future__ import annotations
 
+import doctest
 import time
 
 import numpy as np
@@ -146,8 +147,9 @@ def test_a_gateway_that_is_not_ready_fails_the_first_submission(tmp_path):
     source.close()
 
 
-def test_the_runner_is_beside_the_module():
+def test_the_runner_is_beside_the_module_and_the_examples_run():
     assert harbor_module.RUNNER.is_file()
+    assert doctest.testmod(harbor_module).failed == 0
 
 
 # ---------------------------------------------------------------- real trials
