@@ -227,3 +227,24 @@ def test_read_traces_refuses_empty_and_missing_files(tmp_path):
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_spec_script_path_runs_the_same_audit(tmp_path):
+    import subprocess
+    import sys
+
+    from fault_helpers import ROOT
+
+    tokenizer_with(APPEND_ONLY).save_pretrained(tmp_path / "tok")
+    script = ROOT / "tools" / "audit_template.py"
+    command = [
+        sys.executable,
+        str(script),
+        "template",
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--json",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["append_only"] is True
