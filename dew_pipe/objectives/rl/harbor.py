@@ -161,7 +161,8 @@ class HarborSource:
         config: further Harbor ``TrialConfig`` fields, merged into what the source writes
             (``{"agent": {"kwargs": {...}}, "timeout_multiplier": 2.0}``...).
         env: variables added to each Harbor process's environment (``PYTHONPATH`` for
-            plugins, credentials the harness needs).
+            plugins, credentials the harness needs). Harbor's usage telemetry is off
+            (``HARBOR_TELEMETRY=0``) unless the environment sets it.
         workers: trials running at once.
         weights: the scheduler's publisher (anything with an int ``version``); calls whose
             trace carries no version (a gateway that does not stamp, such as
@@ -344,7 +345,7 @@ class HarborSource:
         """Runs the trial process; (its outcome line, "") or ({}, what went wrong)."""
         # -P: not the runner's own folder on sys.path, where this module would shadow harbor
         command = [str(self.harbor), "-P", str(RUNNER), str(config_file)]
-        env = {**os.environ, **self.env}
+        env = {"HARBOR_TELEMETRY": "0", **os.environ, **self.env}  # no usage reports unless asked
         process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
