@@ -109,7 +109,7 @@ def pipeline(
     steps: int = 30,  # GRPO updates (one push into vLLM after each)
     prompts: int = 16,  # problems per batch
     groups: int = 8,  # completions per problem
-    learning_rate: float = 1e-3,  # Adam, clipped at global norm 1
+    learning_rate: float = 1e-4,  # Adam, clipped at global norm 1 (1e-3 collapsed the policy)
     sft_steps: int = 500,  # SFT updates of the first run (2-digit problems: ~60% held out)
     digits: int = 2,  # the most digits an operand has
     max_lag: int = 1,  # most updates an admitted completion may lag
