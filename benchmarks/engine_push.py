@@ -58,10 +58,13 @@ SIZES = {
 
 
 def _pipeline_module():
-    spec = importlib.util.spec_from_file_location("grpo_vllm", PIPELINE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """pipelines/grpo_vllm.py as a module (registered first: its dataclasses need it)."""
+    if "grpo_vllm" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("grpo_vllm", PIPELINE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["grpo_vllm"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["grpo_vllm"]
 
 
 def _port() -> int:
