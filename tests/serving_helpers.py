@@ -7,7 +7,6 @@ one pytest process the server's compiled functions are shared between them.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -19,6 +18,7 @@ from test_sampling import log_softmax, reference_filtered
 
 from dew_pipe import models
 from dew_pipe.inference import Server, generate
+from dew_pipe.inference.servers.engine_setup import served_model
 from dew_pipe.sampling import Sampling
 
 CONFIG = dict(
@@ -117,9 +117,9 @@ def left_padded(prompts, width=None, pad=0):
 
 
 def bfloat16_model(model):
-    """The test decoder computing in bfloat16 (what a bfloat16 server serves)."""
-    cfg = dataclasses.replace(model.config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    return model.clone(config=cfg)
+    """The test decoder as a bfloat16 server serves it: bfloat16 weights, computing in
+    bfloat16 on accelerators and in float32 (matmuls reading bfloat16) on a CPU."""
+    return served_model(model, jnp.bfloat16, jax.devices()[0].platform)[0]
 
 
 def greedy_references(model, variables, prompts=PROBES, steps=GREEDY_STEPS) -> list[list[int]]:

@@ -223,6 +223,28 @@ def test_bfloat16_compute_is_close_to_float32(small):
     assert np.abs(np.asarray(got) - want).max() > 0  # it really ran in bfloat16
 
 
+def test_bfloat16_weights_with_float32_compute_multiply_in_bfloat16(small):
+    # What a CPU server runs: weights stored in bfloat16, activations in float32. Every
+    # matmul must read the weights as stored (never widened to float32) and accumulate in
+    # float32, so the logits are those of the float32 model on bfloat16-rounded weights,
+    # up to the rounding of each matmul's activations to bfloat16.
+    _, variables, forward = small
+    mixed = models.build("causal_transformer", **dict(SMALL, param_dtype=jnp.bfloat16))
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables)
+    tokens = _tokens(9, (1, 8))
+    got = np.asarray(jax.jit(mixed.apply)(half, tokens))
+    rounded = jax.tree.map(lambda x: x.astype(jnp.float32), half)
+    want = np.asarray(forward(rounded, tokens))
+    error = np.abs(got - want).max()
+    assert 0 < error < 0.05 * np.abs(want).max()
+    lowered = jax.jit(mixed.apply).lower(half, tokens).as_text()
+    dots = [line for line in lowered.splitlines() if "dot_general" in line and "->" in line]
+    projections = [line for line in dots if "x32xbf16" in line or "x48xbf16" in line]
+    assert len(projections) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    assert all(line.rstrip().endswith("xf32>") for line in projections)
+    assert not any("32x48xf32" in line or "48x32xf32" in line for line in dots)
+
+
 def test_param_dtype_is_respected():
     model = models.build("causal_transformer", **dict(SMALL, param_dtype=jnp.bfloat16))
     variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32))

@@ -36,6 +36,7 @@ from dew_pipe.inference import (
     Server,
     ServeTask,
     TextGeneration,
+    served_precision,
 )
 from dew_pipe.sampling import Sampling
 
@@ -386,6 +387,7 @@ def test_bad_requests_fail_their_future_or_raise(server):
         (dict(queue=0), ValueError, "queue is 0"),
         (dict(steps_per_call=1.5), TypeError, "steps_per_call is 1.5"),
         (dict(dtype=jnp.int32), ValueError, "expected a floating dtype"),
+        (dict(dtype="fast"), TypeError, "expected a floating dtype or 'auto'"),
         (dict(buckets=(8, 4)), ValueError, "buckets is"),
         (dict(sampling=Sampling(eos_id=40)), ValueError, "vocab_size=32"),
         (dict(sampling="greedy"), TypeError, "expected a dew_pipe.sampling.Sampling"),
@@ -452,7 +454,10 @@ def bf16(tiny):
 def test_bfloat16_greedy_draws_equal_generate_and_stop_on_either_eos(bf16):
     native, _, refs, eos, probes = bf16
     assert isinstance(native, RolloutServer)
-    assert native.server.model.config.dtype == jnp.bfloat16
+    config = native.server.model.config
+    assert config.param_dtype == jnp.bfloat16
+    # on a CPU the activations and cache stay float32 (bfloat16 elementwise ops are emulated)
+    assert config.dtype == (jnp.float32 if native.server.device.platform == "cpu" else jnp.bfloat16)
     futures = [native.submit(PROBES[i], 8, seed=i) for i in probes]
     draws = [f.result(timeout=120) for f in futures]
     for i, draw in zip(probes, draws, strict=True):
@@ -462,6 +467,24 @@ def test_bfloat16_greedy_draws_equal_generate_and_stop_on_either_eos(bf16):
         np.testing.assert_array_equal(draw.behavior_log_probs, 0.0)  # greedy: certain
     assert [d.sampled_ids[-1] for d in draws[:2]] == list(eos)  # each EOS id ends a draw
     assert draws[2].finish_reason == "length" and draws[2].sampled_ids.size == 8
+
+
+def test_served_precision_is_bfloat16_only_where_the_cpu_multiplies_it_natively():
+    assert served_precision("cpu", frozenset({"avx2", "fma"})) == np.float32
+    assert served_precision("cpu", frozenset({"avx2", "avx512f", "avx512bw"})) == np.float32
+    assert served_precision("cpu", frozenset({"avx512f", "avx512_bf16"})) == jnp.bfloat16
+    assert served_precision("cpu", frozenset({"amx_bf16", "amx_tile"})) == jnp.bfloat16
+    assert served_precision("gpu", frozenset()) == jnp.bfloat16
+
+
+def test_auto_serves_in_this_machines_precision(tiny):
+    model, variables, _, _ = tiny
+    task = ServeTask(model, variables, SAMPLING)
+    with Server.from_task(task, slots=2, capacity=24, dtype="auto") as server:
+        want = served_precision(server.device.platform)
+        assert server.dtype == want
+        assert {leaf.dtype for leaf in jax.tree.leaves(server.variables)} == {want}
+        assert server.submit(P1, 3, seed=0).result(timeout=120).sampled_ids.size == 3
 
 
 def test_load_casts_float32_weights_into_the_served_bfloat16_buffers_in_place(bf16, tiny):

@@ -37,6 +37,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Server": ("dew_pipe.inference.servers.engine", "Server"),
     "ServerCounters": ("dew_pipe.inference.servers.engine_records", "ServerCounters"),
     "ServeTask": ("dew_pipe.inference.servers.engine_setup", "ServeTask"),
+    "served_precision": ("dew_pipe.inference.servers.engine_setup", "served_precision"),
     # engines behind HTTP (servers/: OpenAI completions, vLLM's token route, weight pushes)
     "OpenAICompletion": ("dew_pipe.inference.servers.openai_completions", "OpenAICompletion"),
     "OpenAIRolloutServer": (

@@ -152,10 +152,16 @@ def _weighted(probs: jax.Array, value: jax.Array) -> jax.Array:
     """``[B, S, K, G, D]``: probabilities ``[B, K, G, S, T]`` times values ``[B, T, K, D]``."""
     batch, kv_heads, group, length, span = probs.shape
     if length != 1:
-        return jnp.einsum("bkgst,btkd->bskgd", probs, value)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs, value, preferred_element_type=jnp.float32)
+        return out.astype(value.dtype)
     # Decode: weight every head's values, then keep each query head's own block.
     flat = value.reshape(batch, span, -1)
-    mixed = jnp.einsum("bqt,btc->bqc", probs.reshape(batch, kv_heads * group, span), flat)
+    mixed = jnp.einsum(
+        "bqt,btc->bqc",
+        probs.reshape(batch, kv_heads * group, span),
+        flat,
+        preferred_element_type=jnp.float32,
+    )
     mixed = mixed.reshape(batch, kv_heads, group, kv_heads, -1)
     eye = jnp.eye(kv_heads, dtype=mixed.dtype)[:, None, :, None]
-    return jnp.sum(mixed * eye, axis=3)[:, None]
+    return jnp.sum(mixed * eye, axis=3)[:, None].astype(value.dtype)

@@ -79,9 +79,13 @@ class Server:
         capacity: ``C``, cache positions per row: a request needs
             ``len(prompt) + max_new_tokens - 1 <= C``. At most the model's ``max_seq_len``.
         dtype: served precision. Floating parameters are kept (and reloaded) in it, and a
-            decoder whose ``config`` has ``dtype``/``param_dtype`` computes in it. None:
-            the model's compute dtype (``config.dtype``), so a float32 model is served in
-            float32 and a bfloat16-compute model with bfloat16 weights.
+            decoder whose ``config`` has ``dtype``/``param_dtype`` reads them in it in its
+            matmuls; it computes in it too, except on a CPU, where a 16-bit precision
+            keeps float32 activations and cache (`engine_setup.served_model`). ``"auto"``:
+            the machine's `served_precision` (bfloat16 where the CPU multiplies bfloat16
+            natively or on accelerators, float32 on AVX2-only CPUs). None: the model's
+            compute dtype (``config.dtype``), so a float32 model is served in float32 and
+            a bfloat16-compute model with bfloat16 weights.
         queue: most requests waiting for a row; `submit` blocks while it is full, so a
             producer that outruns the server waits instead of growing memory. The default
             is far above what a scheduler keeps in flight (tasks x samples x ahead).
@@ -154,7 +158,6 @@ class Server:
             seed=seed,
             pad_id=pad_id,
         )
-        self.model, dtype = served_model(model, dtype)
         self.sampling = sampling
         self.slots, self.capacity, self.queue = options["slots"], options["capacity"], queue
         self.steps_per_call = options["steps_per_call"]
@@ -162,14 +165,15 @@ class Server:
         self.buckets = prompt_buckets(buckets, self.capacity)
         self.pad_id = options["pad_id"]
         self.gather_s = float(gather_s)
-        self.dtype = dtype
-        self._vocab = int(self.model.config.vocab_size)
+        self._vocab = int(model.config.vocab_size)
         self._eos = np.asarray(sampling.eos_ids, np.int32)
         # this process's first device: on a multi-process job jax.devices()[0] may be another's
         device = jax.local_devices()[0] if device is None else device
         if not isinstance(device, jax.Device):
             raise TypeError(f"device is {device!r}; expected a jax.Device")
         self.device = device
+        self.model, dtype = served_model(model, dtype, device.platform)
+        self.dtype = dtype
         self._variables = served_copy(variables_of(variables, "variables"), dtype, device)
         self._signature = signature(self._variables)
         self._cache = jax.device_put(self.model.init_cache(self.slots, self.capacity), device)

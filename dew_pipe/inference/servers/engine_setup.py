@@ -19,7 +19,7 @@ import numpy as np
 from dew_pipe._validate import check_int
 from dew_pipe.sampling import Sampling
 
-__all__ = ["ServeTask"]
+__all__ = ["ServeTask", "served_precision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,29 +80,90 @@ def check_options(model: Any, sampling: Any, **options: Any) -> dict[str, int]:
     return out
 
 
-def served_model(model: Any, dtype: Any) -> tuple[Any, Any]:
+def served_model(model: Any, dtype: Any, platform: str = "cpu") -> tuple[Any, Any]:
     """The model to serve and the dtype its floating parameters are kept in.
 
-    With ``dtype`` None the parameters follow the model's compute dtype. Otherwise a
-    decoder whose dataclass ``config`` has ``dtype``/``param_dtype`` is cloned to compute
-    in ``dtype`` too (so bfloat16 serving computes in bfloat16).
+    With ``dtype`` None the parameters follow the model's compute dtype and the model is
+    served as it is. ``"auto"`` takes `served_precision` for ``platform``. Otherwise a
+    decoder whose dataclass ``config`` has ``dtype``/``param_dtype`` is cloned with
+    ``param_dtype=dtype``, and computes in ``dtype`` too except on a CPU, where a narrower
+    ``dtype`` keeps float32 activations and key/value cache: the matmuls still read the
+    weights as stored (`dew_pipe.models.transformer.matmul_dtype`), which is where the
+    bytes are, while XLA's CPU backend would emulate 16-bit elementwise ops and scatters
+    by converting whole arrays to float32 and back.
+
+    Example:
+        >>> from dew_pipe import models
+        >>> model = models.build("causal_transformer", vocab_size=8, emb_features=8,
+        ...                      num_layers=1, num_heads=2, mlp_features=16, max_seq_len=8)
+        >>> served, dtype = served_model(model, "bfloat16", "cpu")
+        >>> str(dtype), str(served.config.param_dtype), str(served.config.dtype)
+        ('bfloat16', 'bfloat16', 'float32')
     """
     config = model.config
     if dtype is None:
         current = getattr(config, "dtype", None)
         return model, None if current is None else np.dtype(current)
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = served_precision(platform)
     try:
         dtype = np.dtype(dtype)
     except TypeError as error:
-        raise TypeError(f"dtype is {dtype!r}; expected a floating dtype") from error
+        raise TypeError(f"dtype is {dtype!r}; expected a floating dtype or 'auto'") from error
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype is {dtype}; expected a floating dtype (float32, bfloat16)")
     fields = (
         {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else ()
     )
     if {"dtype", "param_dtype"} <= set(fields) and hasattr(model, "clone"):
-        model = model.clone(config=dataclasses.replace(config, dtype=dtype, param_dtype=dtype))
+        compute = dtype
+        if platform == "cpu" and dtype.itemsize < 4:
+            compute = np.dtype(np.float32)
+        model = model.clone(config=dataclasses.replace(config, dtype=compute, param_dtype=dtype))
     return model, dtype
+
+
+# CPU flags under which XLA's bfloat16 matmul kernels run natively (not emulated).
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags of this machine's first CPU in ``/proc/cpuinfo`` (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def served_precision(platform: str = "cpu", flags: frozenset[str] | None = None) -> np.dtype:
+    """The precision to serve weights in on ``platform``: what ``dtype="auto"`` picks.
+
+    bfloat16 on accelerators, and on CPUs whose flags include AVX512-BF16 or AMX-BF16,
+    where XLA's bfloat16 matmuls read half the bytes at full speed; float32 on other CPUs
+    (AVX2 only), where bfloat16 arithmetic is emulated.
+
+    Args:
+        platform: the serving device's platform (``jax.Device.platform``).
+        flags: the CPU flags; None reads them (`cpu_flags`).
+
+    Example:
+        >>> str(served_precision("cpu", frozenset({"avx2", "fma"})))
+        'float32'
+        >>> str(served_precision("cpu", frozenset({"avx512f", "avx512_bf16"})))
+        'bfloat16'
+        >>> str(served_precision("gpu"))
+        'bfloat16'
+    """
+    if platform != "cpu":
+        return np.dtype(jnp.bfloat16)
+    flags = cpu_flags() if flags is None else flags
+    native = any(flag in flags for flag in _BF16_FLAGS)
+    return np.dtype(jnp.bfloat16 if native else np.float32)
 
 
 def prompt_buckets(buckets: Sequence[int] | None, capacity: int) -> tuple[int, ...]:
