@@ -225,6 +225,7 @@ class ToolCalcJob:
                 f"SFT done in {sft_s:.0f} s: held-out success {before:.1%} (greedy episodes "
                 f"calling the tool: {used_before:.0%}); now GRPO"
             )
+            context.log(step=0, phase="grpo", held_out=round(before, 4))  # GRPO's update 0
             grpo_start = time.monotonic()
             params = self._grpo(model, params, greedy)
             grpo_s = time.monotonic() - grpo_start

@@ -109,7 +109,7 @@ def test_a_tiny_run_trains_on_worker_episodes_and_reports_both_figures(tmp_path)
     assert [r["step"] for r in updates] == [1, 2, 3, 4]
     assert all(0.0 <= r["reward"] <= 1.0 and r["lag"] in (0, 1) for r in updates)
     assert all(r["calls_per_chain"] >= 1.0 for r in updates)
-    assert [r["step"] for r in grpo if "held_out" in r] == [2, 4]
+    assert [r["step"] for r in grpo if "held_out" in r] == [0, 2, 4]  # 0: the SFT's figure
     assert any(r["kind"] == "flow" for r in records)  # the GRPO pipeline's counters
     before, after = _percent(out, "before"), _percent(out, "after")
     assert before == round(100 * summary["before"], 1) and after == round(100 * summary["after"], 1)
