@@ -58,18 +58,18 @@ from dew_pipe.tasks.tool_calc import ToolCalcTask
 def pipeline(
     # --- the task
     seed: int = 0,  # seeds the task, the initialization and the sampling
-    digits: int = 3,  # the most digits an operand has
+    digits: int = 2,  # the most digits an operand has
     min_digits: int = 2,  # the fewest
-    tool_share: float = 0.25,  # share of SFT transcripts that call the tool (below one half)
+    tool_share: float = 0.4,  # share of SFT transcripts that call the tool (below one half)
     max_turns: int = 3,  # the most model calls per episode
     # --- SFT
     sft_steps: int = 600,  # SFT updates (batches of 32 rows of 64 ids)
     sft_learning_rate: float = 5e-3,  # peak AdamW learning rate of SFT
     # --- PPO
-    ppo_steps: int = 60,  # PPO updates
+    ppo_steps: int = 40,  # PPO updates
     prompts: int = 8,  # problems per PPO batch
     groups: int = 4,  # episodes sampled per problem
-    learning_rate: float = 2e-3,  # AdamW learning rate of PPO (policy and critic)
+    learning_rate: float = 5e-4,  # AdamW learning rate of PPO (policy and critic)
     gamma: float = 1.0,  # discount per action id (1: the reward is not discounted)
     lam: float = 0.95,  # GAE's lambda
     value_coefficient: float = 0.5,  # weight of the critic's loss
@@ -78,7 +78,7 @@ def pipeline(
     ahead: int = 1,  # task batches rolled out beyond the one being trained
     slots: int = 64,  # rows the sampling server decodes together
     workers: int = 32,  # episodes running at once
-    eval_every: int = 20,  # PPO updates between held-out probes
+    eval_every: int = 10,  # PPO updates between held-out probes
     # --- evaluation
     test_size: int = 200,  # held-out problems, one greedy episode each per probe
 ) -> PPOToolsJob:
@@ -90,7 +90,7 @@ def pipeline(
     Example:
       >>> job = pipeline(ppo_steps=10)
       >>> job.graph.width, job.graph.rows, job.graph.estimator
-      (49, 32, 'reward')
+      (37, 32, 'reward')
       >>> pipeline(gamma=1.5)
       Traceback (most recent call last):
       ...

@@ -212,8 +212,12 @@ def test_values_refuses_a_batch_with_one_action_id():
 
 
 def test_docstring_examples_run():
+    from dew_pipe.cli import load_file
+
     failed, attempted = doctest.testmod(values_module, raise_on_error=False)
     assert failed == 0 and attempted >= 4
+    failed, attempted = doctest.testmod(load_file(PIPELINE), raise_on_error=False)
+    assert failed == 0 and attempted >= 3
 
 
 def _run(*args: str, settings: dict | None = None) -> subprocess.CompletedProcess:

@@ -32,14 +32,13 @@ from dew_pipe.inference import TextGeneration
 from dew_pipe.objectives.rl import (
     EpisodeRollout,
     GRPOObjective,
-    Observation,
     PPOObjective,
     PPORollout,
     ValueHead,
 )
 from dew_pipe.sampling import Sampling
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
-from dew_pipe.tasks.tool_calc import LocalCalculator, ToolCalcTask
+from dew_pipe.tasks.tool_calc import ToolCalcTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +47,7 @@ class Setting:
 
     Attributes:
       digits, min_digits: operand sizes of the products.
+      tool_share: share of the warm-up's transcripts that call the tool.
       sft_steps: SFT updates of the warm-up (the task's default recipe otherwise).
       updates: RL updates; prompts: problems per update; groups: episodes per problem.
       learning_rate: Adam's learning rate of the RL phase.
@@ -58,6 +58,7 @@ class Setting:
 
     digits: int = 2
     min_digits: int = 2
+    tool_share: float = 0.4
     sft_steps: int = 250
     updates: int = 30
     prompts: int = 8
@@ -69,8 +70,9 @@ class Setting:
 
     def task(self) -> ToolCalcTask:
         return ToolCalcTask(
-            self.seed, self.digits, min_digits=self.min_digits, test_size=self.test_size
-        )
+            self.seed, self.digits, min_digits=self.min_digits, tool_share=self.tool_share,
+            test_size=self.test_size,
+        )  # fmt: skip
 
 
 def sft(setting: Setting) -> tuple[ToolCalcTask, Any, Any]:
@@ -81,26 +83,11 @@ def sft(setting: Setting) -> tuple[ToolCalcTask, Any, Any]:
     return task, model, jax.device_get(state.params)
 
 
-class _Calculator(LocalCalculator):
-    """The in-process tool, except that a call it cannot read ends the episode unanswered.
-
-    The worker documents ``@?`` as its reply to such a call, but ``?`` is not in the task's
-    alphabet, so ``Calculator.step`` raises instead, and one malformed call would abort a
-    whole collection (an EpisodeRollout treats a raising tool as a failed collection).
-    """
-
-    def step(self, action: Any) -> Any:
-        try:
-            return super().step(action)
-        except ValueError as error:
-            return Observation(status="completed", detail=f"the tool failed: {error}")
-
-
 def episodes(task: ToolCalcTask, policy: Any, problems: list, groups: int, sampling: Sampling):
     """An EpisodeRollout over ``problems`` (a batch's ``task_id`` indexes them)."""
 
     def environment(episode_id: Any) -> Any:
-        return _Calculator(task.problem_text(problems[episode_id.task]))
+        return task.local_environment(problems[episode_id.task])
 
     def verifier(episode: Any) -> float:
         return task.verify(problems[episode.id.task], episode)
