@@ -38,6 +38,7 @@ from dew_pipe.inference import (
     TextGeneration,
     served_precision,
 )
+from dew_pipe.inference.decoding import LayerCache
 from dew_pipe.sampling import Sampling
 
 SAMPLING = Sampling(temperature=0.7, top_k=6)  # no EOS: every draw runs to its budget
@@ -113,6 +114,17 @@ def test_a_seed_fixes_the_draw_whatever_shares_the_batch(server):
     assert any(not np.array_equal(o.sampled_ids, alone.sampled_ids) for o in others)
     for future in mates:
         future.result(timeout=120)
+
+
+def test_the_cache_is_kept_per_layer_and_updated_in_place(server):
+    # A stacked cache would be sliced into layers and stacked back by every decode call
+    # (two copies of the whole cache per call); the server keeps one array per layer.
+    cache = server._cache
+    assert isinstance(cache, LayerCache) and len(cache.keys) == server.model.config.num_layers
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(cache)]
+    server.submit(P1, 9, seed=5).result(timeout=120)  # a prefill and several decode calls
+    after = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(server._cache)]
+    assert after == pointers
 
 
 # ------------------------------------------------------------------ joins and reloads

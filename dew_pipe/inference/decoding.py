@@ -21,6 +21,11 @@ traffic, not arithmetic. Against calling the cached model in the loop it saves, 
 Models other than `CausalTransformer` get a step that calls the cached model (same results,
 without those savings), so anything with the decoder's call forms can generate.
 
+A caller that keeps a cache between compiled calls (the continuous-batching server) keeps
+it as a `LayerCache`, one array per layer, which `start` takes as it is and `flush` gives
+back: slicing a stacked cache into per-layer arrays at the start of each call and stacking
+them again at its end would copy the whole cache twice per call.
+
 A row is *inactive* when it has finished: its entries go to an out-of-range slot, which the
 scatter drops, so its cache stays exactly as it was. Steps are pytrees: a server that runs
 one jitted step per call builds the step once (slicing the weights once) and passes it to
@@ -37,14 +42,42 @@ import jax.numpy as jnp
 from dew_pipe.models import attention
 from dew_pipe.models.transformer import Block, CausalTransformer, RMSNorm
 
-__all__ = ["DecodeStep", "decode_step"]
+__all__ = ["DecodeStep", "LayerCache", "decode_step", "layer_cache", "serving_cache"]
+
+
+class LayerCache(NamedTuple):
+    """A decoder cache split by layer (``init_cache``'s entries, one array per layer)."""
+
+    keys: tuple[jax.Array, ...]  # per layer [B, T, K, d]
+    values: tuple[jax.Array, ...]
+    positions: jax.Array  # [B, T] int32, -1 empty
+
+
+def layer_cache(cache: dict[str, jax.Array]) -> LayerCache:
+    """``init_cache``'s stacked ``[L, B, T, K, d]`` cache as a `LayerCache` (a copy).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> cache = {"key": jnp.zeros((2, 1, 4, 1, 8)), "value": jnp.zeros((2, 1, 4, 1, 8)),
+        ...          "positions": jnp.full((1, 4), -1)}
+        >>> split = layer_cache(cache)
+        >>> len(split.keys), split.keys[0].shape
+        (2, (1, 4, 1, 8))
+    """
+    layers = range(cache["key"].shape[0])
+    return LayerCache(
+        keys=tuple(cache["key"][i] for i in layers),
+        values=tuple(cache["value"][i] for i in layers),
+        positions=cache["positions"],
+    )
 
 
 class DecodeStep(Protocol):
     """A per-position step: `start` a state from a cache, then call it once per id."""
 
-    def start(self, cache: dict[str, jax.Array]) -> Any:
-        """The loop state for a cache from ``model.init_cache`` (filled by a prefill)."""
+    def start(self, cache: dict[str, jax.Array] | LayerCache) -> Any:
+        """The loop state for a cache from ``model.init_cache`` (filled by a prefill), or
+        for a `LayerCache` where the step supports one (`layered`)."""
 
     def __call__(
         self,
@@ -65,6 +98,14 @@ class DecodeStep(Protocol):
 
     def finish(self, state: Any) -> dict[str, jax.Array]:
         """The cache a state stands for, every entry written (``init_cache``'s layout)."""
+
+    def flush(self, state: Any) -> Any:
+        """The cache a state stands for, every entry written, in the layout `start` takes
+        without copying: a `LayerCache` where `layered`, else ``init_cache``'s."""
+
+    @property
+    def layered(self) -> bool:
+        """Whether `start` takes a `LayerCache` (kept between calls without copies)."""
 
 
 @jax.tree_util.register_pytree_node_class
@@ -103,6 +144,11 @@ class _CachedModelStep:
     def finish(self, state: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return state
 
+    def flush(self, state: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return state
+
+    layered = False
+
 
 class _LayerState(NamedTuple):
     keys: tuple[jax.Array, ...]  # per layer [B, T, K, d]
@@ -136,15 +182,18 @@ class _LayerSplitStep:
     def tree_unflatten(cls, model: Any, children: tuple[Any, Any]) -> _LayerSplitStep:
         return cls(model, *children)
 
-    def start(self, cache: dict[str, jax.Array]) -> _LayerState:
-        layers = range(self.config.num_layers)
-        batch, slots = cache["positions"].shape
-        entry = cache["key"].shape[3:]
-        empty = tuple(jnp.zeros((batch, *entry), cache["key"].dtype) for _ in layers)
+    layered = True
+
+    def start(self, cache: dict[str, jax.Array] | LayerCache) -> _LayerState:
+        if not isinstance(cache, LayerCache):
+            cache = layer_cache(cache)
+        batch, slots = cache.positions.shape
+        entry = cache.keys[0].shape[2:]
+        empty = tuple(jnp.zeros((batch, *entry), k.dtype) for k in cache.keys)
         return _LayerState(
-            keys=tuple(cache["key"][i] for i in layers),
-            values=tuple(cache["value"][i] for i in layers),
-            positions=cache["positions"],
+            keys=cache.keys,
+            values=cache.values,
+            positions=cache.positions,
             pending_keys=empty,
             pending_values=empty,
             pending_position=jnp.full((batch,), -1, jnp.int32),
@@ -206,6 +255,15 @@ class _LayerSplitStep:
     def finish(self, state: _LayerState) -> dict[str, jax.Array]:
         keys, values, positions = self._flush(state)
         return {"key": jnp.stack(keys), "value": jnp.stack(values), "positions": positions}
+
+    def flush(self, state: _LayerState) -> LayerCache:
+        return LayerCache(*self._flush(state))
+
+
+def serving_cache(model: Any, cache: dict[str, jax.Array]) -> dict[str, jax.Array] | LayerCache:
+    """``cache`` in the layout ``decode_step(model, ...)`` keeps between calls: a
+    `LayerCache` for a `CausalTransformer` (the layer-split step), else as it is."""
+    return layer_cache(cache) if isinstance(model, CausalTransformer) else cache
 
 
 def decode_step(model: Any, variables: Any, *, split_layers: bool | None = None) -> DecodeStep:

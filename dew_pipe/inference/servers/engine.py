@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from dew_pipe._validate import check_int
+from dew_pipe.inference.decoding import serving_cache
 from dew_pipe.inference.servers import engine_steps
 from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters
 from dew_pipe.inference.servers.engine_setup import (
@@ -176,7 +177,8 @@ class Server:
         self.dtype = dtype
         self._variables = served_copy(variables_of(variables, "variables"), dtype, device)
         self._signature = signature(self._variables)
-        self._cache = jax.device_put(self.model.init_cache(self.slots, self.capacity), device)
+        cache = serving_cache(self.model, self.model.init_cache(self.slots, self.capacity))
+        self._cache = jax.device_put(cache, device)
         self._state = jax.device_put(engine_steps.empty_slots(self.slots), device)
         self._version = options["version"]
         self._seeds = np.random.default_rng(options["seed"])

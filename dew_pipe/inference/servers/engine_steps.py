@@ -1,7 +1,8 @@
 """The compiled halves of the continuous-batching `Server`: join rows, advance rows, reload.
 
-The server keeps ``S`` rows of decoder cache (``C`` slots each) and a `Slots` record of
-every row's decoding state on the device. Three compiled functions change them, each
+The server keeps ``S`` rows of decoder cache (``C`` slots each; one array per layer, a
+`dew_pipe.inference.decoding.LayerCache`, for the decoder's layer-split step) and a `Slots`
+record of every row's decoding state on the device. Three compiled functions change them, each
 donating the cache and the slots so XLA updates them in place:
 
 - `prefill` starts ``J`` new requests in chosen rows: their left-padded prompts ``[J, P]``
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dew_pipe.inference.decoding import decode_step
+from dew_pipe.inference.decoding import LayerCache, decode_step
 from dew_pipe.sampling import Sampled, Sampling, sample
 
 __all__ = ["Slots", "advance", "copy_into", "empty_slots", "prefill"]
@@ -107,11 +108,14 @@ def prefill(
     ``[J]`` uint32. Returns the cache, the slots and the first sampled id of each entry.
     """
     joined, width = prompts.shape
-    length = cache["positions"].shape[1]
+    layered = isinstance(cache, LayerCache)
+    positions = cache.positions if layered else cache["positions"]
+    dtype = cache.keys[0].dtype if layered else cache["key"].dtype
+    length = positions.shape[1]
     start = width - lengths
     columns = jnp.arange(width, dtype=jnp.int32)[None, :]
     real = columns >= start[:, None]
-    fresh = model.init_cache(joined, length, dtype=cache["key"].dtype)
+    fresh = model.init_cache(joined, length, dtype=dtype)
     hidden, fresh = model.apply(
         variables,
         prompts,
@@ -123,11 +127,21 @@ def prefill(
     )
     logits = model.apply(variables, hidden[:, -1], method="logits")
     first = sample_rows(logits, seeds, jnp.zeros_like(lengths), sampling, support)
-    cache = {
-        "key": cache["key"].at[:, rows].set(fresh["key"], mode="drop"),
-        "value": cache["value"].at[:, rows].set(fresh["value"], mode="drop"),
-        "positions": cache["positions"].at[rows].set(fresh["positions"], mode="drop"),
-    }
+    if layered:  # one scatter per layer into its own array (no stacked copy)
+        layers = range(len(cache.keys))
+        cache = LayerCache(
+            keys=tuple(cache.keys[i].at[rows].set(fresh["key"][i], mode="drop") for i in layers),
+            values=tuple(
+                cache.values[i].at[rows].set(fresh["value"][i], mode="drop") for i in layers
+            ),
+            positions=positions.at[rows].set(fresh["positions"], mode="drop"),
+        )
+    else:
+        cache = {
+            "key": cache["key"].at[:, rows].set(fresh["key"], mode="drop"),
+            "value": cache["value"].at[:, rows].set(fresh["value"], mode="drop"),
+            "positions": positions.at[rows].set(fresh["positions"], mode="drop"),
+        }
     done = sampling.is_eos(first.ids) | (limits <= 1)
 
     def put(column: jax.Array, values: jax.Array) -> jax.Array:
@@ -234,7 +248,10 @@ def advance(
         steps=state["step"],
         active_rows=state["active_rows"],
     )
-    return step_fn.finish(state["decode"]), state["slots"], result
+    # A layered cache goes back as it came: no per-call stacking of the whole cache.
+    done = state["decode"]
+    cache = step_fn.flush(done) if isinstance(cache, LayerCache) else step_fn.finish(done)
+    return cache, state["slots"], result
 
 
 @functools.partial(jax.jit, donate_argnums=0, keep_unused=True)
