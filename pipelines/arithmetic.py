@@ -42,6 +42,7 @@ import os
 import resource
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,6 +60,7 @@ from dew_pipe.tasks.plot import plot_run
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
 
 AGGREGATIONS = ("token-mean", "session-mean")
+SCHEDULES = ("cosine", "constant")
 
 
 def pipeline(
@@ -77,7 +79,9 @@ def pipeline(
     prompts: int = 32,  # problems per GRPO batch
     groups: int = 8,  # completions sampled per problem (G); advantages compare them
     learning_rate: float = 2e-4,  # peak AdamW learning rate of GRPO (a fresh optimizer)
-    warmup: int = 50,  # linear warm-up updates, then a cosine decay to a tenth of the peak
+    warmup: int = 50,  # linear warm-up updates to the peak learning rate, then `schedule`
+    schedule: str = "cosine",  # "cosine": decay to a tenth of the peak at grpo_steps;
+    #   "constant": stay at the peak (a run stopped by time rather than by grpo_steps)
     temperature: float = 1.0,  # sampling temperature of the rollout server and GRPO's scoring
     beta: float = 0.0,  # KL coefficient against the SFT weights (0: no reference, no KL)
     epsilon: float = 0.2,  # PPO clip range, both sides
@@ -118,6 +122,8 @@ def pipeline(
     check_float("epsilon", epsilon, minimum=0.0, maximum=1.0)
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation is {aggregation!r}; expected one of {AGGREGATIONS}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule is {schedule!r}; expected one of {SCHEDULES}")
     check_int("seed", seed, minimum=0, maximum=2**31 - 1)
     check_int("test_size", test_size, minimum=1, maximum=10**6)
     check_int("prompts", prompts, minimum=1)
@@ -177,6 +183,7 @@ class ArithmeticJob:
     def __init__(self, settings: types.SimpleNamespace, task: ArithmeticTask, graph: GraphSettings):
         self.settings, self.task, self.graph = settings, task, graph
         self.context: RunContext | None = None
+        self._after_update: Callable[[int, Any], None] | None = None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self.settings).items())
@@ -208,7 +215,7 @@ class ArithmeticJob:
         context.print(f"SFT done in {sft_s:.0f} s: held-out exact match {before:.1%}; now GRPO")
         grpo_start = time.monotonic()
         context.log(step=0, phase="grpo", **probe)  # GRPO's update 0 is SFT's end
-        params = self._grpo(model, params)
+        params = self.grpo(context, model, params)
         grpo_s = time.monotonic() - grpo_start
         after = self._probe("grpo", s.grpo_steps, model, params, sampled=True)["held_out"]
         result = JobResult(
@@ -292,9 +299,37 @@ class ArithmeticJob:
         )
         return model, state.params
 
-    def _grpo(self, model: Any, params: Any) -> Any:
-        """Asynchronous GRPO from ``params``; returns the trained variables."""
+    def grpo(
+        self,
+        context: RunContext,
+        model: Any,
+        params: Any,
+        prompts: Any = None,
+        after_update: Callable[[int, Any], None] | None = None,
+    ) -> Any:
+        """The GRPO phase alone: asynchronous GRPO of ``model`` from ``params``.
+
+        :meth:`run` calls it after SFT; ``benchmarks/grpo_time_to_accuracy.py`` calls it on
+        a saved checkpoint.
+
+        Args:
+          context: the run's context (metrics, display, cancellation).
+          model, params: the decoder and its ``{"params": ...}`` to start from.
+          prompts: the training prompt batches (a Dataset of ``prompts`` rows per batch);
+            default ``task.prompts("train", ...)`` enough for ``grpo_steps`` updates.
+          after_update: ``after_update(updates, state)`` after each update and its log, on
+            the update stage's thread (``state`` is the new TrainState; copy what you keep,
+            as the next update donates its buffers).
+
+        Returns:
+          The trained variables (on the host).
+
+        Raises:
+          Cancelled: ``context.cancel`` was set; the server is closed and every thread
+            joined first.
+        """
         s, task, graph = self.settings, self.task, self.graph
+        self.context, self._after_update = context, after_update
         self._cancelled()
         objective = GRPOObjective(
             model,
@@ -308,9 +343,19 @@ class ArithmeticJob:
             sampling_temperature=None if s.temperature == 1.0 else s.temperature,
         )
         graph.check_objective(objective)
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, s.learning_rate, s.warmup, max(s.grpo_steps, s.warmup + 1), 0.1 * s.learning_rate
-        )
+        if s.schedule == "cosine":
+            schedule = optax.warmup_cosine_decay_schedule(
+                0.0,
+                s.learning_rate,
+                s.warmup,
+                max(s.grpo_steps, s.warmup + 1),
+                0.1 * s.learning_rate,
+            )
+        else:
+            warm = optax.linear_schedule(0.0, s.learning_rate, max(s.warmup, 1))
+            schedule = optax.join_schedules(
+                [warm, optax.constant_schedule(s.learning_rate)], [max(s.warmup, 1)]
+            )
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98))
         trainer = Trainer(objective, optimizer, key=jax.random.key(s.seed + 1), progress=False)
         sampling = Sampling(eos_id=task.eos_id, temperature=s.temperature)
@@ -332,10 +377,12 @@ class ArithmeticJob:
             seed=s.seed,
         )
         try:
-            prompts = task.prompts("train", s.prompts * (s.grpo_steps + s.ahead + 2), seed=s.seed)
+            if prompts is None:
+                count = s.prompts * (s.grpo_steps + s.ahead + 2)
+                prompts = task.prompts("train", count, seed=s.seed).load(batch=s.prompts)
             pipeline = build_graph(
                 graph,
-                tasks=TaskBatches(prompts.load(batch=s.prompts), prompt_tasks),
+                tasks=TaskBatches(prompts, prompt_tasks),
                 source=source,
                 weights=server,
                 scorer=rescorer(objective),
@@ -374,6 +421,8 @@ class ArithmeticJob:
         self.context.log(step=step + 1, phase="grpo", **values)
         self.context.progress("GRPO updates", step + 1, s.grpo_steps)
         done = step + 1
+        state = pipeline.stages["update"].state
         if done % s.grpo_eval_every == 0 and done < s.grpo_steps:
-            state = pipeline.stages["update"].state
             self._probe("grpo", done, model, state.params, sampled=False)
+        if self._after_update is not None:
+            self._after_update(done, state)

@@ -441,3 +441,43 @@ def test_sft_learns_two_digit_addition_held_out():
     # steep step whose place moves with any change of numerics, hence the margin.
     assert before < 0.05
     assert after > 0.8
+
+
+@pytest.mark.slow
+def test_sft_until_stops_at_the_first_check_past_the_share():
+    from dew_pipe.tasks.recipe import SFTRecipe, train_sft
+
+    task = ArithmeticTask(seed=0, digits=2, test_size=200)
+    recipe = SFTRecipe(seq_len=31, steps=500, warmup=30)
+    model = recipe.model(task)
+    checks: dict[int, float] = {}
+
+    def probe(state, batch, key):  # sees the state after every step, before the next
+        step = int(state.step)
+        if step and step % 20 == 0:
+            checks[step] = task.evaluate(model, state.params)
+        return batch
+
+    _, state = train_sft(
+        task, recipe, key=jax.random.key(0), rollout=probe, until=0.5, check_every=20
+    )
+    stop = int(state.step)
+    final = task.evaluate(model, state.params)
+    assert stop % 20 == 0 and stop < recipe.steps and final >= 0.5
+    assert all(checks[k] < 0.5 for k in range(20, stop, 20))  # no earlier check passed
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"until": 0.0}, "until is 0.0"),
+        ({"until": 1.5}, "until is 1.5"),
+        ({"until": 0.5, "check_every": 0}, "check_every is 0"),
+    ],
+)
+def test_sft_until_refuses_bad_settings(options, match):
+    from dew_pipe.tasks.recipe import SFTRecipe, train_sft
+
+    task = ArithmeticTask(seed=0, digits=2, test_size=20)
+    with pytest.raises(ValueError, match=match):
+        train_sft(task, SFTRecipe(seq_len=31, steps=20, warmup=2), key=jax.random.key(0), **options)

@@ -122,6 +122,8 @@ def train_sft(
     run_dir: str | None = None,
     rollout: Callable[..., Any] | None = None,
     log_every: int | None = None,
+    until: float | None = None,
+    check_every: int = 10,
 ) -> tuple[Any, TrainState]:
     """Supervised fine-tuning of a fresh decoder on ``task`` with ``recipe``.
 
@@ -134,9 +136,19 @@ def train_sft(
             (for example a probe that evaluates ``state.params`` now and then and returns
             the batch unchanged).
         log_every: steps between training records (default: a tenth of the steps).
+        until: stop early, at the first check whose greedy exact match on the held-out
+            test split is at least this share (None: run all ``recipe.steps``). The
+            schedule stays the recipe's, so a run stopped at step k equals the first k
+            steps of a full run. Use it to make a weak start: SFT learns this task in a
+            sudden jump whose step moves with the seed and the machine's numerics, so a
+            fixed step count lands anywhere from 0% to 99%.
+        check_every: steps between those checks (each evaluates every test problem).
 
     Returns:
         ``(model, state)``; ``state.params`` is the fine-tuned ``{"params": ...}``.
+
+    Raises:
+        ValueError: ``until`` outside (0, 1], or ``check_every`` below 1.
 
     Example:
         >>> model, state = train_sft(ArithmeticTask(digits=2), SFTRecipe(steps=300, warmup=30),
@@ -144,6 +156,9 @@ def train_sft(
         >>> task.evaluate(model, state.params)  # doctest: +SKIP
     """
     recipe = SFTRecipe() if recipe is None else recipe
+    if until is not None:
+        check_float("until", until, above=0.0, maximum=1.0)
+        check_every = check_int("check_every", check_every, minimum=1)
     model = recipe.model(task)
     trainer = Trainer(
         recipe.objective(model),
@@ -156,4 +171,11 @@ def train_sft(
     )
     data = task.sft_dataset(recipe.batch, recipe.seq_len)
     log_every = max(1, recipe.steps // 10) if log_every is None else log_every
-    return model, trainer.fit(data, steps=recipe.steps, log_every=log_every)
+    if until is None:
+        return model, trainer.fit(data, steps=recipe.steps, log_every=log_every)
+    state = None
+    for stop in (*range(check_every, recipe.steps, check_every), recipe.steps):
+        state = trainer.fit(data, steps=stop, log_every=log_every, state=state)
+        if task.evaluate(model, state.params) >= until:
+            break
+    return model, state
