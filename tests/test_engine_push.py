@@ -431,3 +431,28 @@ def test_two_processes_push_once_and_agree_on_failure(tmp_path, replicas):
     assert "success false" in first["bad"]
     assert "failed on process 0" in second["bad"] and "success false" in second["bad"]
     assert first["after_bad"] == second["after_bad"] == 1
+
+
+def test_an_aborted_request_fails_at_once(silent):
+    client = JSONClient(silent, timeout=30)
+    early = client.request("GET", "/health", step="health")
+    early.abort()
+    with pytest.raises(EngineError, match="aborted"):
+        early.send()
+    waiting = client.request("GET", "/health", step="health")
+    errors: list[BaseException] = []
+
+    def send():
+        try:
+            waiting.send()
+        except EngineError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=send)
+    start = time.monotonic()
+    thread.start()
+    time.sleep(0.2)  # connected, waiting for an answer that never comes
+    waiting.abort()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - start < 5
+    assert len(errors) == 1 and "aborted" in str(errors[0])

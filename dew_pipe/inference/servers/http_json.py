@@ -148,6 +148,9 @@ class Request:
 
         connection.timeout = left()
         connection.connect()
+        with self._lock:
+            if self.aborted:  # abort() ran before the socket existed: nothing to shut down
+                raise ConnectionAbortedError("aborted")
         connection.request(self.method, self.client.target(self.path), payload, headers)
         connection.sock.settimeout(left())  # each read below waits at most this long
         response = connection.getresponse()
