@@ -456,3 +456,22 @@ def test_an_aborted_request_fails_at_once(silent):
     thread.join(5)
     assert not thread.is_alive() and time.monotonic() - start < 5
     assert len(errors) == 1 and "aborted" in str(errors[0])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from dew_pipe.inference.servers import (
+        http_json,
+        nccl_push,
+        openai_completions,
+        publication,
+        vllm_generate,
+    )
+
+    attempted = 0
+    for module in (http_json, openai_completions, vllm_generate, publication, nccl_push):
+        failed, tried = doctest.testmod(module, raise_on_error=False)
+        assert failed == 0, module.__name__
+        attempted += tried
+    assert attempted >= 10
