@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,22 @@ def scored(engine, variables, draws, temperature: float = 1.0) -> list[np.ndarra
         out.append(scores[where])
         np.testing.assert_array_equal(batch["behavior_log_probs"][where], draw.behavior_log_probs)
     return out
+
+
+def wait_until_engine_has(engine, futures, timeout: float = 60.0) -> None:
+    """Waits until vLLM runs or queues every request of ``futures`` (or they finished)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(f.done() for f in futures):
+        with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        held = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        )
+        if held >= sum(not f.done() for f in futures):
+            return
+        time.sleep(0.01)
 
 
 def filtered(logits: np.ndarray, top_k: int) -> np.ndarray:
@@ -179,7 +196,8 @@ def test_push_read_back_by_engine_and_load_pretrained(vllm_engine):
         # Draws in flight when the push lands: /pause?mode=wait lets them finish on the old
         # weights, so they keep the version they were submitted under.
         before = [server.submit(p, 40, seed=1) for p in PROMPTS]
-        server.load(moved, 1)
+        wait_until_engine_has(engine, before)  # a request still in our queue would be
+        server.load(moved, 1)  # held by the pause and drawn from the new weights
         after = [server.submit(p, 10, seed=1).result(timeout=120) for p in PROMPTS]
         spans = generate.submit(PROMPTS[0], 6, seed=2).result(timeout=120)
         before = [f.result(timeout=120) for f in before]
