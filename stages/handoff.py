@@ -7,7 +7,9 @@ For each batch ``i`` the stage
 2. pushes the weights through ``weights.load(params, version)`` when the served version
    has fallen ``sync_every`` updates behind (or is ahead, after a restore from an older
    checkpoint); a push that leaves the served version where it was is tried once more,
-   then fails the run (:func:`publish`);
+   then fails the run (:func:`publish`). A publisher whose ``load`` returns a future (the
+   native and process servers) is not waited for: its push is ordered before the
+   submissions that follow, and its outcome is checked at the next push (:class:`Pushes`);
 3. announces the handover (``Handover(i, version, served, pushed, position)``) to rollout,
    which may then submit batches up to ``i + ahead``, and to pack, which checks lag against
    ``version``; ``position`` (the trainer's step) files journaled sessions for a resume;
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
@@ -40,7 +43,7 @@ from dew_pipe.flow import EndOfStream, Port, Stage, StageContext
 from dew_pipe.stages.messages import Handed, Handover, Proximal, SchedulerRecord, Step
 from dew_pipe.stages.protocols import WeightsPublisher
 
-__all__ = ["Handoff", "publish", "served_version"]
+__all__ = ["Handoff", "Pushes", "publish", "served_version"]
 
 Ports = dict[str, Any]
 
@@ -63,8 +66,48 @@ def served_version(weights: WeightsPublisher) -> int:
     return version
 
 
+class Pushes:
+    """The last weight push still in flight, checked before the next one and at the end.
+
+    A publisher whose ``load`` returns a future (``NativeRolloutServer``,
+    ``ProcessRolloutServer``) pushes without blocking: the push is ordered before the
+    submissions that follow it, so the handover may be announced at once and the server
+    applies the weights at its next step. Its failure surfaces here, at the next push or
+    at :meth:`settle`, naming the version; at most one push is in flight.
+
+    Example:
+      >>> from concurrent.futures import Future
+      >>> pushes, pending = Pushes(), Future()
+      >>> pushes.track(pending, 3)
+      >>> pending.set_result(3)
+      >>> pushes.settle()
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[Future, int] | None = None
+
+    def track(self, future: Future, version: int) -> None:
+        """Keeps ``future``, the push of ``version``, after settling the one before."""
+        self.settle()
+        self._pending = (future, version)
+
+    def settle(self) -> None:
+        """Waits for the push in flight, if any.
+
+        Raises:
+          RuntimeError: it failed (chained from its error).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            _wait(*pending)
+
+
 def publish(
-    weights: WeightsPublisher, params: Any, version: int, sync_every: int
+    weights: WeightsPublisher,
+    params: Any,
+    version: int,
+    sync_every: int,
+    pushes: Pushes | None = None,
 ) -> tuple[int, bool, float]:
     """Push ``params`` as ``version`` when the served version is ``sync_every`` behind.
 
@@ -73,12 +116,15 @@ def publish(
       params: the trainer's variables.
       version: the trainer's version (``TrainState.updates``).
       sync_every: push once the served version is this many updates behind.
+      pushes: where a push that returned a future stays in flight (checked at the next
+        push); None waits for it here.
 
     Returns:
-      ``(served version, pushed, seconds the push took)``.
+      ``(served version, pushed, seconds the call took)``.
 
     Raises:
-      RuntimeError: two pushes in a row left the served version unchanged.
+      RuntimeError: two pushes in a row left the served version unchanged, or a push
+        failed (the one waited for here, or the one before in ``pushes``).
 
     Example:
       >>> class Weights:
@@ -92,8 +138,15 @@ def publish(
     if served == version or 0 < version - served < sync_every:
         return served, False, 0.0
     start = time.monotonic()
+    if pushes is not None:
+        pushes.settle()  # the push before must have served before this one starts
     for _ in range(2):
-        weights.load(params, version)
+        pending = weights.load(params, version)
+        if isinstance(pending, Future):
+            if pushes is None:
+                _wait(pending, version)
+            else:
+                pushes.track(pending, version)
         now = served_version(weights)
         if now == version:
             return now, True, time.monotonic() - start
@@ -101,6 +154,13 @@ def publish(
         f"weights.load(params, {version}) left the served version at {now} twice; expected "
         f"it to serve version {version} after the push"
     )
+
+
+def _wait(future: Future, version: int) -> None:
+    try:
+        future.result()
+    except BaseException as error:
+        raise RuntimeError(f"the weights push of version {version} failed") from error
 
 
 class Handoff(Stage):
@@ -147,6 +207,7 @@ class Handoff(Stage):
             raise TypeError(f"weights={weights!r}; expected a publisher with load(params, version)")
         self.weights = weights
         self.sync_every = check_int("sync_every", sync_every, minimum=1)
+        self._pushes = Pushes()
 
     @staticmethod
     def _ports(rows: pa.Schema) -> tuple[Ports, Ports]:
@@ -173,6 +234,7 @@ class Handoff(Stage):
             if served is None:
                 return
             ctx.put("batches", Handed(index, *served))
+        self._pushes.settle()
 
     def _serve(
         self,
@@ -189,20 +251,25 @@ class Handoff(Stage):
         ``position`` is the trainer's step as it takes the batch (None when unknown);
         ``published`` a push the caller already made (then this stage pushes nothing).
         """
-        # Rescoring needs only the trainer's weights, so it may run during the push (which
-        # mostly waits for the server to reach a step boundary); the handover must follow
-        # the push, since rollout submits the next batch under the version it announces.
+        # Rescoring needs only the trainer's weights, so it may run during the push; the
+        # handover must follow the push call, since rollout submits the next batch under
+        # the version it announces. A publisher that returns a future has ordered the push
+        # before those submissions, so the handover need not wait for the server to reach
+        # a step boundary: the push stays in flight (checked at the next one).
         ctx.put("params", Proximal(index, version, params))
         if published is not None:
             served, pushed, push_s = published
         elif self.weights is None:
             served, pushed, push_s = version, False, 0.0
         else:
-            served, pushed, push_s = publish(self.weights, params, version, self.sync_every)
+            served, pushed, push_s = publish(
+                self.weights, params, version, self.sync_every, self._pushes
+            )
         ctx.put("handover", Handover(index, version, served, pushed, position))
         start = time.monotonic()
         rows = _next(ctx, "rows")
         if rows is None:
+            self._pushes.settle()
             return None
         record = _next(ctx, "records") if ctx.connected("records") else None
         if record is not None:

@@ -44,9 +44,14 @@ class WeightsPublisher(Protocol):
 
     version: int
 
-    def load(self, params: Any, version: int) -> None:
+    def load(self, params: Any, version: int) -> Any:
         """Serve ``params`` as ``version`` from now on (the caller may donate ``params``
-        afterwards, so a publisher that keeps them copies them)."""
+        afterwards, so a publisher that keeps them copies them).
+
+        Returns None when the push is complete, or a ``concurrent.futures.Future`` of a
+        push still in flight (a rollout server's ``load``), which must already be ordered
+        before every later submission and have moved ``version``; the stages check it
+        at the next push."""
         ...
 
 

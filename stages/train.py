@@ -136,3 +136,4 @@ class Train(Handoff):
             ctx.heartbeat()
             if self.log is not None:
                 self.log(index, values, record)
+        self._pushes.settle()  # the last push's failure is this run's too

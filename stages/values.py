@@ -73,9 +73,10 @@ class PolicyWeights:
     def version(self) -> int:
         return self.publisher.version
 
-    def load(self, params: Any, version: int) -> None:
-        """Serve the policy subtree of ``params`` as ``version``."""
-        self.publisher.load(self.objective.policy_variables(params), version)
+    def load(self, params: Any, version: int) -> Any:
+        """Serve the policy subtree of ``params`` as ``version``; returns what the wrapped
+        publisher's ``load`` returns (a push's future, for a rollout server)."""
+        return self.publisher.load(self.objective.policy_variables(params), version)
 
 
 class Values(Stage):

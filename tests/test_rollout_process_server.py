@@ -84,11 +84,13 @@ def test_load_serves_new_weights_from_the_next_draw_and_moves_the_version(tiny):
     model, variables, new_variables, reference = tiny
     with ProcessRolloutServer(ServeTask(model, variables, SAMPLING), **OPTIONS) as server:
         before = server.submit(PROMPTS[0], 4, seed=1).result(timeout=120)
-        server.load(new_variables, 7)
-        assert server.version == 7 and server.counters().reloads == 1
+        pushed = server.load(new_variables, 7)  # returns without waiting for the child
+        assert server.version == 7
+        # Submitted before the push is known to have served: it starts on its weights.
         after = server.submit(PROMPTS[0], 4, seed=1).result(timeout=120)
         check_likelihoods(after, reference, new_variables, PROMPTS[0], 4)
         assert (after.version, after.submitted_version) == (7, 7)
+        assert pushed.result(timeout=120) == 7 and server.counters().reloads == 1
         assert before.version == 0 and not np.allclose(before.log_probs, after.log_probs)
         with pytest.raises(ValueError, match="version is -1"):
             server.load(new_variables, -1)
@@ -171,7 +173,10 @@ def test_a_dead_child_fails_every_waiting_caller_and_later_requests(tiny):
     try:
         server.submit(PROMPTS[0], 2, seed=0).result(timeout=120)  # compiled and serving
         futures = [server.submit(PROMPTS[0], 16, seed=s) for s in range(40)]
+        pushed = server.load(variables, 1)  # in flight behind the draws
         os.kill(server.pid, signal.SIGKILL)
+        error = pushed.exception(timeout=120)  # served before the kill, or failed with it
+        assert error is None or "exited with code -9" in str(error)
         for future in futures:  # each finished before the kill or failed with the exit
             error = future.exception(timeout=120)
             assert error is None or "exited with code -9" in str(error)

@@ -139,7 +139,7 @@ def test_a_request_joins_the_running_batch_and_a_reload_lands_mid_draw(gated, ti
     y = gated.submit(P2, 4, seed=4)  # queued behind the call waiting for its permit
     reloader = threading.Thread(target=gated.reload, args=(new_variables, 1))
     reloader.start()
-    wait_for(lambda: gated._reload is not None, what="the reload to be queued")
+    wait_for(lambda: bool(gated._reloads), what="the reload to be queued")
     gated.permits.release(1)  # x's ids 5 and 6 on the old weights; then reload, y joins
     reloader.join(timeout=120)
     assert not reloader.is_alive() and gated.version == 1
@@ -165,6 +165,57 @@ def test_a_request_joins_the_running_batch_and_a_reload_lands_mid_draw(gated, ti
     after = gated.submit(P3, 2, seed=5)
     gated.permits.release(10)
     assert (after.result(timeout=120).version, after.result().submitted_version) == (1, 1)
+
+
+def test_a_push_returns_at_once_ordered_before_later_submissions(gated, tiny):
+    _, variables, new_variables, reference = tiny
+    x = gated.submit(P1, 6, seed=3)
+    wait_for(lambda: gated.parked == 1, what="x's first decode call")
+    given = jax.tree.map(jnp.copy, new_variables)
+    pushed = gated.reload(given, 1, wait=False)
+    for leaf in jax.tree.leaves(given):
+        leaf.delete()  # the caller donates its arrays as soon as the push returns
+    # Not applied yet (the thread is inside a decode call), yet version 1 is announced.
+    assert not pushed.done() and gated.version == 1 and gated.counters().version == 0
+    y = gated.submit(P2, 4, seed=4)  # after the push: must start on its weights
+    gated.permits.release(100)
+    assert pushed.result(timeout=120) == 1
+    dx, dy = x.result(timeout=120), y.result(timeout=120)
+    assert (dy.version, dy.submitted_version) == (1, 1)
+    check_against_reference(dy, reference, new_variables, P2, 4)
+    assert (dx.version, dx.submitted_version) == (0, 0)  # its first ids: version 0
+    counters = gated.counters()
+    assert counters.version == 1 and counters.reloads == 1
+
+
+def test_pushes_queued_at_one_step_all_resolve_and_the_newest_serves(gated, tiny):
+    _, variables, new_variables, reference = tiny
+    x = gated.submit(P1, 4, seed=3)
+    wait_for(lambda: gated.parked == 1, what="x's first decode call")
+    first = gated.reload(new_variables, 1, wait=False)
+    second = gated.reload(variables, 2, wait=False)
+    third = gated.reload(new_variables, wait=False)  # None: one more than announced
+    y = gated.submit(P2, 4, seed=4)
+    gated.permits.release(100)
+    assert [f.result(timeout=120) for f in (first, second, third)] == [1, 2, 3]
+    x.result(timeout=120)
+    dy = y.result(timeout=120)
+    assert (dy.version, dy.submitted_version) == (3, 3)
+    check_against_reference(dy, reference, new_variables, P2, 4)
+    assert gated.counters().reloads == 3 and gated.counters().version == 3
+
+
+def test_a_push_still_pending_fails_when_the_server_closes(gated, tiny):
+    _, _, new_variables, _ = tiny
+    gated.submit(P1, 16, seed=3)
+    wait_for(lambda: gated.parked == 1, what="a decode call")
+    pushed = gated.reload(new_variables, 4, wait=False)
+    closer = threading.Thread(target=gated.close)
+    closer.start()
+    gated.permits.release(1)  # the call in progress ends; the thread stops before the push
+    closer.join(timeout=120)
+    assert isinstance(pushed.exception(timeout=120), RuntimeError)
+    assert "closed" in str(pushed.exception())
 
 
 def test_reload_refuses_a_tree_that_does_not_match(server, tiny):
@@ -505,8 +556,9 @@ def test_load_casts_float32_weights_into_the_served_bfloat16_buffers_in_place(bf
     leaves = jax.tree.leaves(native.server.variables)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
     pointers = [leaf.unsafe_buffer_pointer() for leaf in leaves]
-    native.load(new_variables, 5)
-    assert native.version == 5 and native.counters().reloads == 1
+    pushed = native.load(new_variables, 5)
+    assert native.version == 5  # at once, before the push has served
+    assert pushed.result(timeout=120) == 5 and native.counters().reloads == 1
     reloaded = jax.tree.leaves(native.server.variables)
     assert [leaf.unsafe_buffer_pointer() for leaf in reloaded] == pointers  # in place
     for got, given in zip(reloaded, jax.tree.leaves(new_variables), strict=True):

@@ -1,6 +1,7 @@
 """The RL stages one by one, and wired by hand in a user's pipeline without a trainer."""
 
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from dew_pipe.stages import (
     publish,
 )
 from dew_pipe.stages.graph import task_batch
+from dew_pipe.stages.handoff import Pushes
 from dew_pipe.stages.messages import (
     SESSION_ROWS,
     Proximal,
@@ -114,6 +116,48 @@ def test_publish_pushes_only_when_due_and_refuses_a_push_that_does_not_land():
     with pytest.raises(RuntimeError, match=r"load\(params, 1\) left the served version at 0"):
         publish(stuck, {}, 1, sync_every=1)
     assert stuck.pushes == [1, 1]
+
+
+class FuturePublisher:
+    """A publisher whose pushes return futures the test resolves (as a server's do)."""
+
+    def __init__(self) -> None:
+        self.version, self.futures = 0, []
+
+    def load(self, params, version):
+        self.version = version
+        self.futures.append(Future())
+        return self.futures[-1]
+
+
+def test_a_push_returning_a_future_is_not_waited_for_but_checked_at_the_next():
+    weights, pushes = FuturePublisher(), Pushes()
+    assert publish(weights, {}, 1, 1, pushes)[:2] == (1, True)
+    assert not weights.futures[0].done()  # returned while the push was still in flight
+    weights.futures[0].set_result(1)
+    assert publish(weights, {}, 2, 1, pushes)[:2] == (2, True)
+    weights.futures[1].set_exception(OSError("device lost"))
+    with pytest.raises(RuntimeError, match="push of version 2 failed") as info:
+        publish(weights, {}, 3, 1, pushes)  # the failure surfaces at the next push
+    assert isinstance(info.value.__cause__, OSError) and len(weights.futures) == 2
+    publish(weights, {}, 3, 1, pushes)
+    weights.futures[2].set_exception(OSError("gone"))
+    with pytest.raises(RuntimeError, match="push of version 3 failed"):
+        pushes.settle()  # and at the end of the stream
+    pushes.settle()  # nothing left in flight
+
+
+def test_without_a_tracker_publish_waits_for_the_push():
+    weights = FuturePublisher()
+    done = threading.Timer(0.2, lambda: weights.futures[0].set_result(1))
+    done.start()
+    _, pushed, seconds = publish(weights, {}, 1, 1)
+    assert pushed and weights.futures[0].done() and seconds >= 0.15
+    weights.version = 1
+    failing = threading.Timer(0.1, lambda: weights.futures[1].set_exception(OSError("x")))
+    failing.start()
+    with pytest.raises(RuntimeError, match="push of version 2 failed"):
+        publish(weights, {}, 2, 1)
 
 
 def _standalone(source, tasks, *, groups=2, rows=4, score=None):

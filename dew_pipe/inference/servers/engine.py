@@ -3,8 +3,11 @@
 The server owns ``slots`` rows of key/value cache, ``capacity`` positions each. Requests wait
 in a bounded queue; between two decode calls the server thread
 
-1. applies a pending weight reload (`Server.reload`), so the next ids come from the new
-   weights while draws in flight keep their rows and caches;
+1. applies the pending weight pushes (`Server.reload`; only the newest is copied), so the
+   next ids come from the new weights while draws in flight keep their rows and caches. A
+   push need not wait for this: it is ordered before every later submission (those start
+   on its weights), and `version` moves at once, while the version each id is recorded
+   with is the one the buffers held when it was drawn;
 2. releases the rows of cancelled draws;
 3. starts waiting requests in free rows (`engine_steps.prefill`: one compiled shape per
    bucket of joining requests and prompt width, running rows untouched); an idle server
@@ -180,12 +183,12 @@ class Server:
         cache = serving_cache(self.model, self.model.init_cache(self.slots, self.capacity))
         self._cache = jax.device_put(cache, device)
         self._state = jax.device_put(engine_steps.empty_slots(self.slots), device)
-        self._version = options["version"]
+        self._version = options["version"]  # what new requests are stamped with
+        self._served = self._version  # what the buffers hold (lags it while a push waits)
         self._seeds = np.random.default_rng(options["seed"])
         self._rows: list[Request | None] = [None] * self.slots
         self._waiting: collections.deque[Request] = collections.deque()
-        self._reload: Reload | None = None
-        self._reload_lock = threading.Lock()
+        self._reloads: collections.deque[Reload] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self._error: BaseException | None = None
@@ -291,23 +294,41 @@ class Server:
         future.add_done_callback(self._on_done)
         return future
 
-    def reload(self, variables: Any, version: int | None = None) -> None:
+    def reload(
+        self, variables: Any, version: int | None = None, *, wait: bool = True
+    ) -> Future[int]:
         """Serves ``variables`` from the next step on, copied over the served weights.
 
-        Blocks until the server thread has applied it between two steps (at once when
-        idle). Floating leaves are cast to the served dtype; the caller's arrays are not
-        kept, so they may be donated right after. Draws in flight continue on the new
-        weights; their `Draw.version` stays the oldest that produced any of their ids.
+        The push is ordered before every later submission: a request submitted after this
+        call starts on the new weights, and `version` moves to the new version at once.
+        Draws in flight continue on the new weights from the next decode step; their
+        `Draw.version` stays the oldest that produced any of their ids. Floating leaves
+        are cast to the served dtype into a copy of the server's own before this returns,
+        so the caller may donate its arrays right after, whether or not it waits.
 
         Args:
             variables: ``{"params": ...}`` with the served tree's structure and shapes (or
                 an object whose ``params`` is one, such as a ``TrainState``).
-            version: the version it is served as; None: the served version plus one.
+            version: the version it is served as; None: the version new requests are
+                served under plus one.
+            wait: block until the server thread has applied it between two steps (at
+                once when idle); False returns at once.
+
+        Returns:
+            A future resolved with ``version`` once the weights serve (done when
+            ``wait``); it fails (RuntimeError, chained from the cause) if the server
+            closes or fails first. Pushes made before it apply first; a later push may
+            replace it before it ever serves, and its future then resolves with it.
 
         Raises:
             TypeError / ValueError: a tree that does not match, naming the leaf; a bad
                 version.
-            RuntimeError: the server is closed or failed, or called from its own thread.
+            RuntimeError: the server is closed or failed, or called from its own thread;
+                with ``wait``, the push failed.
+
+        Example:
+            >>> server.reload(state.params, 3, wait=False).result()   # doctest: +SKIP
+            3
         """
         variables = variables_of(variables, "variables")
         check_tree(self._signature, variables)
@@ -315,16 +336,21 @@ class Server:
             check_int("version", version, minimum=0)
         if threading.current_thread() is self._thread:
             raise RuntimeError("Server.reload was called from the server's own thread")
-        with self._reload_lock:
-            with self._cond:
-                self._check_open()
-                target = self._version + 1 if version is None else int(version)
-                request = Reload(variables, target)
-                self._reload = request
-                self._cond.notify_all()
-            request.done.wait()
-        if request.error is not None:
-            raise RuntimeError(f"Server.reload to version {target} failed") from request.error
+        # The server's own copy, dispatched now: the caller's arrays may be donated later.
+        copy = served_copy(variables, self.dtype, self.device)
+        with self._cond:
+            self._check_open()
+            target = self._version + 1 if version is None else int(version)
+            request = Reload(copy, target)
+            self._reloads.append(request)
+            self._version = target
+            self._cond.notify_all()
+        if wait:
+            try:
+                request.future.result()
+            except BaseException as error:
+                raise RuntimeError(f"Server.reload to version {target} failed") from error
+        return request.future
 
     def counters(self) -> ServerCounters:
         """A consistent snapshot of the counters (see `ServerCounters`)."""
@@ -343,7 +369,7 @@ class Server:
                 rows_per_step=dict(self._histogram),
                 active=sum(r is not None for r in self._rows),
                 waiting=len(self._waiting),
-                version=self._version,
+                version=self._served,
             )
 
     @property
@@ -413,12 +439,13 @@ class Server:
                 self._drop_cancelled()
                 free = [r for r, req in enumerate(self._rows) if req is None]
                 busy = len(free) < self.slots
-                if self._reload is not None or busy:
+                if self._reloads or busy:
                     break
                 if self._waiting and self._gathered(len(free)):
                     break
                 self._cond.wait(self._gather_left())
-            reload, self._reload = self._reload, None
+            reloads = list(self._reloads)
+            self._reloads.clear()
             # Joining requests take their rows now, so a failure from here on finds them.
             joining = []
             for r in free[: len(self._waiting)]:
@@ -426,8 +453,8 @@ class Server:
                 joining.append(r)
             if joining:
                 self._cond.notify_all()  # room in the queue for blocked submitters
-        if reload is not None:
-            self._apply_reload(reload)
+        if reloads:
+            self._apply_reloads(reloads)
         if joining:
             self._start(joining, busy)
         if any(req is not None for req in self._rows):
@@ -458,19 +485,21 @@ class Server:
                 dropped += 1
         self._counts["cancelled"] += dropped
 
-    def _apply_reload(self, request: Reload) -> None:
+    def _apply_reloads(self, requests: list[Reload]) -> None:
+        """Copies the newest pending push over the served buffers; resolves them all."""
+        last = requests[-1]
         try:
-            new = jax.device_put(request.variables, self.device)
-            self._variables = engine_steps.copy_into(self._variables, new)
+            self._variables = engine_steps.copy_into(self._variables, last.variables)
             jax.block_until_ready(self._variables)
         except BaseException as error:
-            request.error = error
-            request.done.set()
+            for request in requests:
+                _resolve(request.future, error=error)
             raise
         with self._cond:
-            self._version = request.version
-            self._counts["reloads"] += 1
-        request.done.set()
+            self._served = last.version
+            self._counts["reloads"] += len(requests)
+        for request in requests:
+            _resolve(request.future, request.version)
 
     def _start(self, joining: list[int], mid_flight: bool) -> None:
         """Prefills the requests just placed in rows ``joining`` (one compiled call)."""
@@ -503,7 +532,7 @@ class Server:
             for j, (r, req) in enumerate(zip(joining, requests, strict=True)):
                 support = None if first.support is None else first.support[j : j + 1]
                 req.record(
-                    self._version,
+                    self._served,
                     first.ids[j : j + 1],
                     first.log_probs[j : j + 1],
                     first.behavior_log_probs[j : j + 1],
@@ -543,7 +572,7 @@ class Server:
                 if new:
                     support = None if out.support is None else out.support[r, :new]
                     req.record(
-                        self._version,
+                        self._served,
                         out.ids[r, :new],
                         out.log_probs[r, :new],
                         out.behavior_log_probs[r, :new],
@@ -583,12 +612,13 @@ class Server:
                 self._counts[key] += 1
 
     def _abandon(self, error: BaseException, cause: BaseException | None = None) -> None:
-        """Fails every queued and running request and a pending reload with ``error``."""
+        """Fails every queued and running request and pending reloads with ``error``."""
         with self._cond:
             requests = [*self._waiting, *(req for req in self._rows if req is not None)]
             self._waiting.clear()
             self._rows = [None] * self.slots
-            reload, self._reload = self._reload, None
+            reloads = list(self._reloads)
+            self._reloads.clear()
             self._cond.notify_all()
         if cause is not None:
             error.__cause__ = cause
@@ -599,6 +629,16 @@ class Server:
                 continue
             with self._cond:
                 self._counts["failed"] += 1
-        if reload is not None:
-            reload.error = error
-            reload.done.set()
+        for reload in reloads:
+            _resolve(reload.future, error=error)
+
+
+def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolves a push's future (once; a cancelled one stays cancelled)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -77,9 +76,9 @@ class Request:
 
 @dataclasses.dataclass(eq=False)
 class Reload:
-    """A pending weight reload; ``done`` is set once applied (or failed: ``error``)."""
+    """A pending weight push: the server's own copy of the variables (in the served dtype)
+    and the future resolved with ``version`` once they serve (or failed)."""
 
     variables: Any
     version: int
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    error: BaseException | None = None
+    future: Future = dataclasses.field(default_factory=Future)

@@ -5,7 +5,9 @@ continuous-batching `NativeRolloutServer`, engines behind HTTP) answers the same
 requests:
 
 - ``submit(prompt_ids, max_new_tokens, seed=...)`` returns at once with a future `Draw`;
-- ``load(variables, version)`` pushes new weights and makes ``version`` the served one;
+- ``load(variables, version)`` pushes new weights and makes ``version`` the served one; it
+  returns a future resolved with ``version`` once they serve, and need not wait for that:
+  the push is ordered before every later ``submit``;
 - ``close()`` releases the server's threads and devices.
 
 A draw in flight when weights are pushed keeps going on the new weights, so its tokens may
@@ -172,7 +174,8 @@ class RolloutServer(Protocol):
     Example:
         >>> server = NativeRolloutServer(Server.from_task(task, slots=8, capacity=256))  # doctest: +SKIP
         >>> draw = server.submit([1, 5, 9], 16, seed=3).result()   # doctest: +SKIP
-        >>> server.load(state.params, int(state.updates))   # doctest: +SKIP
+        >>> server.load(state.params, int(state.updates)).result()   # doctest: +SKIP
+        1
     """
 
     @property
@@ -190,8 +193,14 @@ class RolloutServer(Protocol):
         """Starts one draw of at most ``max_new_tokens`` ids; returns its future at once."""
         ...
 
-    def load(self, variables: Any, version: int) -> None:
-        """Serves ``variables`` as ``version`` from now on (draws in flight continue)."""
+    def load(self, variables: Any, version: int) -> Future[int]:
+        """Serves ``variables`` as ``version`` from now on (draws in flight continue).
+
+        Returns a future resolved with ``version`` once the weights serve, or failed with
+        the push's error; a backend whose push completes inside the call returns it done.
+        Draws submitted after the call come from the new weights, and ``version`` reads
+        the new version at once. The caller may donate ``variables`` once it returns.
+        """
         ...
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 
 Draws come from the continuous-batching `dew_pipe.inference.Server` and carry raw and
 behavior likelihoods; `load` copies a trainer's variables into the served buffers in place
-between two decode steps (`Server.reload`), cast to the served precision. It is also a
+between two decode steps (`Server.reload`), cast to the served precision, and returns
+without waiting for that step: the push is ordered before later submissions. It is also a
 weights publisher for the rollout scheduler: ``load(params, version)`` and ``version``.
 """
 
@@ -36,7 +37,8 @@ class NativeRolloutServer:
         >>> draw = server.submit([1, 5, 9], 16, seed=3).result()   # doctest: +SKIP
         >>> draw.log_probs is not None, draw.version   # doctest: +SKIP
         (True, 0)
-        >>> server.load(state.params, int(state.updates))   # doctest: +SKIP
+        >>> server.load(state.params, int(state.updates)).result()   # doctest: +SKIP
+        1
         >>> server.close()   # doctest: +SKIP
     """
 
@@ -62,22 +64,30 @@ class NativeRolloutServer:
         """Queues one draw; see `Server.submit` (cancel the future to stop it)."""
         return self.server.submit(prompt_ids, max_new_tokens, seed=seed)
 
-    def load(self, variables: Any, version: int) -> None:
-        """Serves ``variables`` as ``version`` from the next decode step on.
+    def load(self, variables: Any, version: int) -> Future[int]:
+        """Serves ``variables`` as ``version`` from the next decode step on, without waiting.
 
-        Returns once the copy is made (the caller may then donate its arrays); draws in
-        flight continue, keeping the oldest version that produced their ids.
+        Returns at once with a future resolved with ``version`` once the weights serve. The
+        push is ordered before later submissions (they start on the new weights) and
+        ``version`` moves at once; the server's own copy is made before this returns, so
+        the caller may donate its arrays right after. Draws in flight continue, keeping
+        the oldest version that produced their ids.
 
         Args:
             variables: ``{"params": ...}`` (or a ``TrainState``), any floating precision.
             version: the version to serve it as (an int >= 0).
+
+        Returns:
+            The push's future (`Server.reload` with ``wait=False``); call ``.result()`` to
+            wait for it.
 
         Raises:
             TypeError / ValueError: a tree that does not match the served one, a bad
                 version.
             RuntimeError: the server is closed or failed.
         """
-        self.server.reload(variables, check_int("version", version, minimum=0))
+        version = check_int("version", version, minimum=0)
+        return self.server.reload(variables, version, wait=False)
 
     def counters(self) -> ServerCounters:
         """The server's counters (`Server.counters`)."""

@@ -10,9 +10,10 @@ deployment. It answers the same `RolloutServer` requests:
 
 - ``submit`` checks its arguments here, sends the request and returns a future at once; a
   reader thread resolves it with the `Draw` the child sends back.
-- ``load`` copies the variables to host memory, sends them, and returns once the child's
-  server has applied them between two decode steps (`Server.reload`), so ``version`` has
-  moved when it returns.
+- ``load`` copies the variables to host memory and sends them ahead of any later
+  request, then returns a future the child resolves once its server has applied them
+  between two decode steps (`Server.reload`); ``version`` moves at once, and draws
+  submitted after the call start on the new weights (the child queues them behind it).
 - ``future.cancel()`` stops the draw in the child (its queue entry or row is released).
 
 Costs: each push pickles the whole tree (a few milliseconds for a few MB of float32), and
@@ -24,6 +25,7 @@ every later request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -120,7 +122,7 @@ class ProcessRolloutServer:
         >>> task = ServeTask(model, variables, Sampling(eos_id=2))  # doctest: +SKIP
         >>> server = ProcessRolloutServer(task, slots=8, capacity=64, cpus={1})  # doctest: +SKIP
         >>> draw = server.submit([5, 9, 3], 16, seed=0).result()  # doctest: +SKIP
-        >>> server.load(state.params, 1); server.version  # doctest: +SKIP
+        >>> server.load(state.params, 1).result(); server.version  # doctest: +SKIP
         1
         >>> server.close()  # doctest: +SKIP
     """
@@ -170,6 +172,7 @@ class ProcessRolloutServer:
         self._send_lock = threading.Lock()
         self._pending: dict[int, Future[Draw]] = {}
         self._replies: dict[int, _Reply] = {}
+        self._pushes: dict[int, tuple[Future[int], int]] = {}  # token -> (future, version)
         self._ids = itertools.count()
         self._closing = False
         self._error: BaseException | None = None
@@ -331,32 +334,50 @@ class ProcessRolloutServer:
         self._send(("submit", rid, prompt, budget, seed))
         return future
 
-    def load(self, variables: Any, version: int) -> None:
+    def load(self, variables: Any, version: int) -> Future[int]:
         """Serves ``variables`` as ``version`` from the child's next decode step on.
 
-        The variables are copied to host memory and sent; returns once the child applied
-        them (the caller may donate its arrays then). Draws in flight continue on the new
-        weights, keeping the oldest version that produced their ids.
+        The variables are copied to host memory and sent before this returns (the caller
+        may donate its arrays then), ahead of every later request, so draws submitted
+        after the call start on the new weights; ``version`` moves at once. Draws in
+        flight continue on the new weights, keeping the oldest version that produced
+        their ids.
 
         Args:
             variables: ``{"params": ...}`` (or a ``TrainState``), any floating precision.
             version: the version to serve it as (an int >= 0).
 
+        Returns:
+            A future resolved with ``version`` once the child serves it; it fails with
+            RuntimeError when the child could not apply it or died first.
+
         Raises:
             TypeError / ValueError: a tree that does not match the served one (naming the
                 leaf), a bad version.
-            RuntimeError: the server is closed, its process died, the child failed to apply
-                the weights, or called from a draw's callback.
+            RuntimeError: the server is closed or its process died, or called from a
+                draw's callback.
         """
         version = check_int("version", version, minimum=0)
         variables = variables_of(variables, "variables")
         check_tree(self._signature, variables)
-        message = self._request("load", jax.device_get(variables), version)
-        if message[0] == "load_failed":
-            raise RuntimeError(f"ProcessRolloutServer.load to version {version} failed") from (
-                message[2]
-            )
-        self._version = int(message[2])
+        if threading.current_thread() is self._reader:
+            raise RuntimeError("ProcessRolloutServer.load was called from a draw's callback")
+        host = jax.device_get(variables)
+        future: Future[int] = Future()
+        with self._cond:
+            self._check_open()
+            token = next(self._ids)
+            self._pushes[token] = (future, version)
+        # Under the send lock: no later submit can overtake the push on the socket.
+        with self._send_lock:
+            try:
+                self._connection.send(("load", token, host, version))
+            except (OSError, EOFError, ValueError) as error:
+                with self._cond:
+                    self._pushes.pop(token, None)
+                raise RuntimeError("the rollout server process is gone") from error
+            self._version = version
+        return future
 
     def counters(self) -> ServerCounters:
         """The child server's counters (`Server.counters`).
@@ -444,6 +465,19 @@ class ProcessRolloutServer:
             except InvalidStateError:  # cancelled here while the child finished it
                 pass
             return
+        if kind in ("loaded", "load_failed"):
+            with self._cond:
+                future, version = self._pushes.pop(key, (None, None))
+            if future is None:
+                return
+            with contextlib.suppress(InvalidStateError):
+                if kind == "loaded":
+                    future.set_result(version)
+                else:
+                    error = RuntimeError(f"ProcessRolloutServer.load to version {version} failed")
+                    error.__cause__ = message[2]
+                    future.set_exception(error)
+            return
         with self._cond:
             reply = self._replies.pop(key, None)
         if reply is not None:
@@ -457,6 +491,7 @@ class ProcessRolloutServer:
                 self._error = error
             futures, self._pending = list(self._pending.values()), {}
             replies, self._replies = list(self._replies.values()), {}
+            pushes, self._pushes = [f for f, _ in self._pushes.values()], {}
             self._cond.notify_all()
         for future in futures:
             try:
@@ -466,3 +501,6 @@ class ProcessRolloutServer:
         for reply in replies:
             reply.error = error
             reply.done.set()
+        for future in pushes:
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(error)

@@ -16,7 +16,8 @@ child -> parent
     ``("ready", version, info)`` or ``("failed", error)`` after the setup;
     per request exactly one of ``("draw", rid, Draw)``, ``("draw_failed", rid, error)``,
     ``("cancelled", rid)``; ``("loaded", token, version)`` / ``("load_failed", token,
-    error)``; ``("counters", token, ServerCounters)``; ``("closed",)`` last.
+    error)`` once the push serves (the child reads on meanwhile: later submissions queue
+    behind it); ``("counters", token, ServerCounters)``; ``("closed",)`` last.
 
 The child ends when told to close or when the parent's end of the socket closes (the
 parent exited), closing its server first.
@@ -91,17 +92,25 @@ class _Worker:
             if future is not None:
                 future.cancel()
         elif kind == "load":
+            # Without waiting: the requests read after it queue behind the push.
             _, token, variables, version = message
             try:
-                self.server.reload(variables, version)
+                future = self.server.reload(variables, version, wait=False)
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 self.send(("load_failed", token, portable(error)))
                 return
-            self.send(("loaded", token, self.server.version))
+            future.add_done_callback(lambda done: self._loaded(token, done))
         elif kind == "counters":
             self.send(("counters", message[1], self.server.counters()))
         else:
             raise ValueError(f"server worker: unknown message {kind!r}")
+
+    def _loaded(self, token: int, future: Any) -> None:
+        error = future.exception()
+        if error is None:
+            self.send(("loaded", token, future.result()))
+        else:
+            self.send(("load_failed", token, portable(error)))
 
     def _submit(self, rid: int, prompt: Any, budget: int, seed: int | None) -> None:
         try:

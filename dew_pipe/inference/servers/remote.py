@@ -176,9 +176,19 @@ class RemoteServer(abc.ABC):
         with contextlib.suppress(InvalidStateError):  # cancelled or closed: dropped
             future.set_result(draw)
 
-    def load(self, variables: Any, version: int) -> None:
-        """Pushes ``variables`` as ``version`` through the publisher (``weights.load``)."""
-        self.weights.load(variables, check_int("version", version, minimum=0))
+    def load(self, variables: Any, version: int) -> Future[int]:
+        """Pushes ``variables`` as ``version`` through the publisher (``weights.load``).
+
+        Returns the publisher's future when it gives one, else a done future: an engine
+        push over HTTP completes inside the call.
+        """
+        version = check_int("version", version, minimum=0)
+        pending = self.weights.load(variables, version)
+        if isinstance(pending, Future):
+            return pending
+        done: Future[int] = Future()
+        done.set_result(version)
+        return done
 
     def close(self) -> None:
         """Fails unfinished draws with RuntimeError, aborts their requests, stops the threads."""
