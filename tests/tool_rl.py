@@ -134,7 +134,8 @@ def train(
     """``updates`` RL updates of ``algorithm`` ("ppo" or "grpo") from the SFT ``params``.
 
     Returns:
-      ``{"curve": [(updates, held-out success), ...], "seconds": RL wall seconds,
+      ``{"curve": [(updates, held-out success), ...], "seconds": wall seconds of each
+      interval of ``every`` updates (probes excluded; the first includes the compiles),
       "rollout": the rollout's metrics of each update}``; the curve starts at 0 updates.
     """
     problems = task.tasks("train", setting.prompts * setting.updates)
@@ -173,13 +174,13 @@ def train(
     curve = [(0, held_out(params))]
     if probe is not None:
         probe(*curve[-1])
-    state, start, seconds = None, time.monotonic(), 0.0
+    state, intervals = None, []
     for done in range(setting.every, setting.updates + 1, setting.every):
+        start = time.monotonic()
         state = trainer.fit(data, steps=done, log_every=1, state=state)
-        seconds = time.monotonic() - start
+        intervals.append(round(time.monotonic() - start, 2))
         policy_variables = objective.reference(state.params) if algorithm == "ppo" else state.params
         curve.append((int(state.updates), held_out(jax.device_get(policy_variables))))
         if probe is not None:
             probe(*curve[-1])
-        start = time.monotonic() - seconds  # probes do not count as training time
-    return {"curve": curve, "seconds": round(seconds, 1), "rollout": rewards}
+    return {"curve": curve, "seconds": intervals, "rollout": rewards}
