@@ -10,6 +10,8 @@ draws two panels with matplotlib's Agg backend (no display needed):
 * over GRPO updates: the batch reward and held-out exact match, the part GRPO changed.
 
 Any run directory can be drawn again: ``plot_run(run_dir / "metrics.jsonl", "out.png")``.
+``measure`` names what ``held_out`` measures in the labels (the RLVR job,
+``pipelines/rlvr.py``, passes ``"held-out pass rate"``).
 It reads the file and smooths the batch reward with the helpers of :mod:`dew_pipe.curves`,
 which draws any run's curves (``dew-pipe plot``).
 """
@@ -62,12 +64,18 @@ def _series(records: list[Mapping[str, Any]], phase: str, name: str, x: str) -> 
     return np.array(rows, dtype=np.float64).reshape(-1, 2)
 
 
-def plot_run(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def plot_run(
+    metrics: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    measure: str = "held-out exact match",
+) -> Path:
     """Draw the job's reward and held-out accuracy into the PNG ``out``.
 
     Args:
       metrics: the run's ``metrics.jsonl``.
       out: the PNG to write (its folder must exist).
+      measure: what the ``held_out`` values are, as the labels name them.
 
     Returns:
       ``out`` as a Path.
@@ -85,8 +93,8 @@ def plot_run(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     if not phases & {"sft", "grpo"}:
         raise ValueError(f"{metrics}: no values records of phase 'sft' or 'grpo' to plot")
     fig, (timeline, grpo) = plt.subplots(2, 1, figsize=(10, 8), dpi=100)
-    _timeline(timeline, records)
-    _grpo_panel(grpo, records)
+    _timeline(timeline, records, measure)
+    _grpo_panel(grpo, records, measure)
     fig.tight_layout()
     try:
         return write_png(fig, out)
@@ -94,7 +102,7 @@ def plot_run(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
         plt.close(fig)
 
 
-def _timeline(ax: Any, records: list[Mapping[str, Any]]) -> None:
+def _timeline(ax: Any, records: list[Mapping[str, Any]], measure: str) -> None:
     colors = {"sft": "#dbe9f6", "grpo": "#fde4cf"}
     for phase, label in (("sft", "SFT"), ("grpo", "GRPO")):
         times = [float(r["elapsed"]) for r in records if r["phase"] == phase and "elapsed" in r]
@@ -107,7 +115,7 @@ def _timeline(ax: Any, records: list[Mapping[str, Any]]) -> None:
     held = np.concatenate(
         [_series(records, p, "held_out", "elapsed") for p in ("sft", "grpo")]
     ).reshape(-1, 2)
-    ax.plot(held[:, 0], 100 * held[:, 1], "o-", color="#1f4e9a", label="held-out exact match")
+    ax.plot(held[:, 0], 100 * held[:, 1], "o-", color="#1f4e9a", label=measure)
     probes = _series(records, "sft", "sampled_reward", "elapsed")
     probes_g = _series(records, "grpo", "sampled_reward", "elapsed")
     both = np.concatenate([probes, probes_g]).reshape(-1, 2)
@@ -129,7 +137,7 @@ def _timeline(ax: Any, records: list[Mapping[str, Any]]) -> None:
     ax.set_ylim(0, 108)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=9)
-    ax.set_title("held-out exact match and sampled reward over the run")
+    ax.set_title(f"{measure} and sampled reward over the run")
 
 
 def _mark_ends(ax: Any, records: list[Mapping[str, Any]], held: np.ndarray) -> None:
@@ -154,7 +162,7 @@ def _mark_ends(ax: Any, records: list[Mapping[str, Any]], held: np.ndarray) -> N
         )  # fmt: skip
 
 
-def _grpo_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
+def _grpo_panel(ax: Any, records: list[Mapping[str, Any]], measure: str) -> None:
     batch = _series(records, "grpo", "reward", "step")
     held = _series(records, "grpo", "held_out", "step")
     if batch.size:
@@ -164,7 +172,7 @@ def _grpo_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
             label="batch reward (running mean of 10)",
         )  # fmt: skip
     if held.size:
-        ax.plot(held[:, 0], 100 * held[:, 1], "o-", color="#1f4e9a", label="held-out exact match")
+        ax.plot(held[:, 0], 100 * held[:, 1], "o-", color="#1f4e9a", label=measure)
     if not batch.size and not held.size:
         ax.text(0.5, 0.5, "no GRPO updates", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("GRPO update")
@@ -172,4 +180,4 @@ def _grpo_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
     ax.grid(alpha=0.3)
     if batch.size or held.size:
         ax.legend(loc="lower right", fontsize=9)
-    ax.set_title("GRPO: batch reward and held-out exact match per update")
+    ax.set_title(f"GRPO: batch reward and {measure} per update")
