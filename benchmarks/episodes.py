@@ -15,8 +15,8 @@ same environment and so the same turn counts, the same sampling and budgets.
 The environment (in-process, no tool cost) shows ``[task, sample]`` and appends three ids
 after each turn; episode ``(task, sample)`` ends after ``1 + (3 * task + sample) % T``
 turns, so turn counts spread from 1 to T within every group. Sampling is temperature 1
-with a quarter of the vocabulary as EOS ids (responses of about 4 ids, rarely reaching the
-budget; a budget hit truncates the episode in both collectors alike).
+with ``--eos`` of the 128 ids as EOS ids (32: responses of about 4 ids; 8: about 16); a
+budget hit truncates the episode in both collectors alike.
 
 Each round times one collection of each (the order alternating), after ``--warmup``
 untimed collections of each that compile every shape. The report gives episodes/s, model
@@ -25,6 +25,7 @@ ratio, the server's batch occupancy (busy rows per decode step over its slots) a
 cohort's (running episodes per round over its rows).
 
     .venv/bin/python benchmarks/episodes.py [--rounds 5] [--tasks 8 --groups 8 --turns 4]
+    .venv/bin/python benchmarks/episodes.py --eos 32 --budget 24 --context 96   # short turns
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import types
 
 from machine import print_machine
 
-VOCAB, EOS_SHARE = 128, 4
+VOCAB = 128
 
 
 class Turns:
@@ -76,8 +77,17 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=8, help="B, tasks per collection")
     parser.add_argument("--groups", type=int, default=8, help="G, episodes per task")
     parser.add_argument("--turns", type=int, default=4, help="T, the most turns per episode")
-    parser.add_argument("--budget", type=int, default=24, help="R, ids per turn at most")
-    parser.add_argument("--context", type=int, default=96, help="P, the longest context")
+    parser.add_argument("--budget", type=int, default=48, help="R, ids per turn at most")
+    parser.add_argument("--context", type=int, default=160, help="P, the longest context")
+    parser.add_argument(
+        "--eos",
+        type=int,
+        default=8,
+        help="ids of the 128 that end a turn (8: turns of about 16 ids; 32: about 4)",
+    )
+    parser.add_argument(
+        "--steps-per-call", type=int, default=8, help="the server's decode steps per compiled call"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
@@ -104,7 +114,7 @@ def main() -> None:
         mlp_features=256, max_seq_len=P + R,
     )  # fmt: skip
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    sampling = Sampling(eos_id=tuple(range(VOCAB - VOCAB // EOS_SHARE, VOCAB)), temperature=1.0)
+    sampling = Sampling(eos_id=tuple(range(VOCAB - args.eos, VOCAB)), temperature=1.0)
     slots = B * G
     state = types.SimpleNamespace(step=0, updates=0, params=variables)
     rollout = EpisodeRollout(
@@ -114,6 +124,7 @@ def main() -> None:
     server = NativeRolloutServer(
         Server.from_task(
             ServeTask(model, variables, sampling), slots=slots, capacity=P + R - 1,
+            steps_per_call=args.steps_per_call,
             buckets=(P,),  # one prefill width (contexts never pass P): fewer shapes to warm
         )
     )  # fmt: skip
@@ -155,6 +166,8 @@ def main() -> None:
             "calls": sum(len(s.calls) for s in sessions),
             "ids": sum(c.sampled_ids.size for s in sessions for c in s.calls),
             "occupancy": busy / (steps * slots), "turns": sorted(len(s.calls) for s in sessions),
+            "steps": steps, "decode_calls": after.calls - before.calls,
+            "prefills": after.prefills - before.prefills,
             "statuses": sorted({s.status.value for s in sessions}),
         }  # fmt: skip
 
@@ -194,7 +207,10 @@ def main() -> None:
     ]
     print(f"source / cohort episodes/s: {statistics.median(ratios):.2f}x "
           f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
-    print(f"statuses (source, last round): {results['source'][-1]['statuses']}")
+    last = results["source"][-1]
+    print(f"server, last round: {last['steps']} decode steps in {last['decode_calls']} calls, "
+          f"{last['prefills']} prefills for {last['calls']} turns; statuses "
+          f"{last['statuses']}")  # fmt: skip
 
 
 if __name__ == "__main__":
