@@ -34,6 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_tool_episodes import (  # the tool episodes' fixtures (tests/ is on the path)
+    BUDGET,
+    PROMPT,
+    SAMPLING,
+    TURNS,
+    VOCAB,
+    Harness,
+    ScriptedPolicy,
+    ToolPolicy,
+    verify,
+)
 
 from dew_pipe import Dataset, Trainer
 from dew_pipe.batches import packed_from_arrow, packed_to_arrow, read_parquet, write_parquet
@@ -51,31 +62,6 @@ from dew_pipe.objectives.rl import critic as critic_module
 from dew_pipe.objectives.rl import gae as gae_module
 from dew_pipe.objectives.rl import ppo as ppo_module
 from dew_pipe.objectives.rl.gae import episode_gae
-
-try:  # the fixtures of the tool episodes (tests/ is on the path under pytest)
-    from test_tool_episodes import (
-        BUDGET,
-        PROMPT,
-        SAMPLING,
-        TURNS,
-        VOCAB,
-        Harness,
-        ScriptedPolicy,
-        ToolPolicy,
-        verify,
-    )
-except ImportError:  # imported as tests.test_ppo
-    from tests.test_tool_episodes import (
-        BUDGET,
-        PROMPT,
-        SAMPLING,
-        TURNS,
-        VOCAB,
-        Harness,
-        ScriptedPolicy,
-        ToolPolicy,
-        verify,
-    )
 
 FIXTURE = Path(__file__).parent / "parity" / "fixtures" / "verl_ppo.npz"
 ROOT = Path(__file__).resolve().parent.parent

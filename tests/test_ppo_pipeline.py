@@ -21,46 +21,26 @@ import jax
 import numpy as np
 import optax
 import pytest
+from test_environment_source import (
+    NATIVE_EOS,
+    NATIVE_P,
+    NATIVE_R,
+    NATIVE_T,
+    Counter,
+    counting_reward,
+)
 
 from dew_pipe import Dataset, Trainer, models
 from dew_pipe.inference import EnvironmentSource, NativeRolloutServer, Server, ServeTask
-from dew_pipe.objectives.rl import Observation, PPOObjective, ValueHead
+from dew_pipe.objectives.rl import PPOObjective, ValueHead
 from dew_pipe.sampling import Sampling
 from dew_pipe.stages import GraphSettings, PolicyWeights, TaskBatches, Values, build_graph
 from dew_pipe.stages import values as values_module
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "ppo_tools.py"
-EOS = tuple(range(24, 32))  # a quarter of the tiny vocabulary: turns end after ~4 ids
-P, R, T = 20, 6, 3  # context, response budget and turns of the episodes
-
-
-class Turns:
-    """An append-only environment of ``1 + sample % T`` turns; observations are id 4."""
-
-    def __init__(self, task, identity) -> None:
-        self.turns = 1 + identity.sample % T
-        self.first = [1 + task.id % 20, 3]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def reset(self):
-        return Observation(self.first)
-
-    def step(self, action):
-        self.turns -= 1
-        if self.turns == 0:
-            return Observation(status="completed", detail=str(action.tokens.size))
-        return Observation([*action.context.tolist(), *action.tokens.tolist(), 4])
-
-
-def reward(task, episode) -> float:
-    """Varies within a group and with the episode's length."""
-    return float(sum(a.tokens.size for a in episode.actions) % 3) - 0.5
+# Multi-turn append-only episodes on the tiny native server (test_environment_source's).
+EOS, P, R, T = NATIVE_EOS, NATIVE_P, NATIVE_R, NATIVE_T
 
 
 def reference_gae(batch: dict, values: np.ndarray, gamma: float, lam: float):
@@ -116,7 +96,13 @@ def test_ppo_graph_trains_through_the_values_stage_on_native_episodes():
     trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), progress=False)
     start = jax.device_get(trainer.initial_state().params)
     source = EnvironmentSource(
-        server, Turns, reward, max_prompt_tokens=P, max_new_tokens=R, max_turns=T, workers=8
+        server,
+        Counter,
+        counting_reward,
+        max_prompt_tokens=P,
+        max_new_tokens=R,
+        max_turns=T,
+        workers=8,
     )
     values = Watched(objective, width=P + R, gamma=0.97, lam=0.9)
     settings = GraphSettings(
