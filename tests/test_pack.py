@@ -538,3 +538,33 @@ def test_arrow_round_trip_is_exact_and_zero_copy():
         buffer = column.buffers()[1]
         address = array.__array_interface__["data"][0]
         assert buffer.address <= address < buffer.address + buffer.size, name
+
+
+def _first_fit_decreasing(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
+    """The textbook placement, one scan of the open rows per chain (the reference)."""
+    row, offset, free = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):  # stable
+        r = next((k for k, room in enumerate(free) if room >= lengths[i]), len(free))
+        if r == len(free):
+            free.append(width)
+        row[i], offset[i] = r, width - free[r]
+        free[r] -= lengths[i]
+    return row, offset, len(free)
+
+
+@pytest.mark.parametrize("spread", ["any", "long", "short"])
+def test_placement_is_first_fit_decreasing(spread):
+    from dew_pipe.objectives.rl.packing import _place
+
+    rng = np.random.default_rng({"any": 0, "long": 1, "short": 2}[spread])
+    for _ in range(300):
+        width = int(rng.integers(1, 40))
+        low, high = {"any": (1, width), "long": (max(1, width // 2), width)}.get(
+            spread, (1, max(1, width // 4))
+        )
+        lengths = rng.integers(low, high + 1, int(rng.integers(0, 60))).astype(np.int64)
+        row, offset, used = _place(lengths, width)
+        assert (row.tolist(), offset.tolist(), used) == _first_fit_decreasing(
+            lengths.tolist(), width
+        )
+        assert rows_needed(lengths, width) == used
