@@ -164,8 +164,9 @@ class PPOToolsJob:
         self.context = context
         start, load0 = time.monotonic(), os.getloadavg()[0]
         s = self.settings
+        digits = f"{s.digits}" if s.min_digits == s.digits else f"{s.min_digits}-{s.digits}"
         context.print(
-            f"ppo_tools job: {s.min_digits}-{s.digits} digit products with a calculator worker, "
+            f"ppo_tools job: {digits}-digit products with a calculator worker, "
             f"{s.sft_steps} SFT steps, then {s.ppo_steps} PPO updates of {s.prompts} x "
             f"{s.groups} episodes (gamma {s.gamma}, lambda {s.lam}); held-out test: "
             f"{s.test_size} problems"
