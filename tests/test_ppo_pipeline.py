@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_environment_source import (
+from test_environment_source_native import (
     NATIVE_EOS,
     NATIVE_P,
     NATIVE_R,
@@ -39,7 +39,7 @@ from dew_pipe.stages import values as values_module
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "ppo_tools.py"
-# Multi-turn append-only episodes on the tiny native server (test_environment_source's).
+# Multi-turn append-only episodes on the tiny native server (test_environment_source_native).
 EOS, P, R, T = NATIVE_EOS, NATIVE_P, NATIVE_R, NATIVE_T
 
 
