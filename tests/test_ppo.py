@@ -531,6 +531,17 @@ def test_rollout_refusals(tool_objective):
         PPORollout(object(), episodes)
 
 
+def test_checkpoints_reach_the_wrapped_episodes(tool_objective):
+    """The Trainer calls rollout.checkpointed(step); PPORollout must pass it on, or the
+    episodes' journal would never be pruned."""
+    objective, variables = tool_objective
+    episodes = episodes_for(objective, variables, policy=ScriptedPolicy())
+    seen = []
+    episodes.checkpointed = seen.append
+    PPORollout(objective, episodes).checkpointed(7)
+    assert seen == [7]
+
+
 # ---------------------------------------------------------------------------- the trainer
 
 

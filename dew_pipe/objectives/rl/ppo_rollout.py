@@ -153,6 +153,12 @@ class PPORollout:
             out["ppo/value_error"] = float(np.square(returns[mask] - values[mask]).mean())
         return out
 
+    def checkpointed(self, step: int) -> None:
+        """Passed on to the wrapped episodes, so their journal is pruned at each checkpoint."""
+        checkpointed = getattr(self.episodes, "checkpointed", None)
+        if callable(checkpointed):
+            checkpointed(step)
+
     def metrics(self) -> dict[str, float]:
         """The episodes' metrics of the last call and ``ppo/actions`` (trainable ids),
         ``ppo/values``, ``ppo/returns`` and ``ppo/value_error`` (means over them: what the
