@@ -27,6 +27,11 @@ serves, so the first update's mismatch is float rounding; after it the trainer's
 weights leave the bfloat16 grid vLLM is pushed, and lag adds more. The run prints one line per
 update (reward, held-out greedy accuracy every ``eval_every``, the mismatch) and writes
 ``summary.json`` with the curves.
+
+The pushes write each new policy over ``checkpoint``, since that is the directory vLLM
+serves and reloads: a second GRPO run continues from the last policy the first one pushed,
+not from the SFT weights. To start GRPO again from SFT, delete ``checkpoint`` (the next run
+fine-tunes and writes it anew) and restart vLLM on it.
 """
 
 from __future__ import annotations
