@@ -2,7 +2,8 @@
 
 The reference programs run for real under `BubblewrapRunner` (the runner the RLVR job uses)
 through `CodeReward`; what they must print is computed here independently, by Python on the
-parsed examples. The examples of every drawn task must fit exactly one operation of its
+parsed examples. Both readers of the warm-up data must pass a prompt's own examples, and
+only the whitespace-splitting one the hidden cases. The examples of every drawn task must fit exactly one operation of its
 family, the splits must be disjoint, and the SFT and GRPO batches must carry the prompts
 and programs they claim to.
 """
@@ -24,7 +25,7 @@ from dew_pipe.rewards.code_tests import parse_cases
 from dew_pipe.sandbox import MemoFleet, SandboxFleet, SandboxLimits
 from dew_pipe.tasks import code_task, programs
 from dew_pipe.tasks.code_task import EOS_ID, CodeTask, encode
-from dew_pipe.tasks.programs import OPERATIONS, check_operations, draw_task
+from dew_pipe.tasks.programs import OPERATIONS, READERS, check_operations, draw_task
 
 # What each operation prints, written out again here (not read from programs.OPERATIONS).
 EXPECTED = {
@@ -90,6 +91,27 @@ def test_every_reference_program_passes_its_cases_and_fails_every_other(sandbox)
     assert memo.runs - runs == len(OPERATIONS) * 4
 
 
+def _example_cases(prompt: str) -> str:
+    return json.dumps(
+        [
+            {"stdin": " ".join(map(str, x)) + "\n", "stdout": out + "\n"}
+            for x, out in _examples(prompt)
+        ]
+    )
+
+
+def test_both_readers_pass_the_examples_and_only_split_the_hidden_cases(sandbox, task):
+    reward, _ = sandbox
+    assert all(max(x) >= 10 for x in task.battery)  # the examples' numbers have one digit
+    for record in task.records("test", 8):
+        name = record["extra_info"]["operation"]
+        shown = _example_cases(record["prompt"])
+        for reader in READERS:
+            assert reward("code", task.completion(name, reader), shown, "") == 1.0, reader
+        assert reward("code", task.completion(name, "split"), record["ground_truth"], "") == 1.0
+        assert reward("code", task.completion(name, "digits"), record["ground_truth"], "") == 0.0
+
+
 def test_a_drawn_task_fits_exactly_one_operation(task):
     family = task.operations
     for record in task.records("train", 300):
@@ -104,7 +126,8 @@ def test_a_drawn_task_fits_exactly_one_operation(task):
 def test_prompts_fit_the_declared_lengths(task):
     prompts = [r["prompt"] for r in task.records("train", 500)]
     assert max(map(len, prompts)) <= task.max_prompt_len
-    assert all(len(task.completion(n)) + 1 <= task.max_new_tokens for n in task.operations)
+    completions = [task.completion(n, r) for n in task.operations for r in READERS]
+    assert max(map(len, completions)) + 1 <= task.max_new_tokens
     longest = CodeTask(operations="sorted,double", max_length=5)
     nines = "9 9 9 9 9>18 18 18 18 18\n"
     assert longest.max_prompt_len == 3 * len(nines)
@@ -145,17 +168,31 @@ def _documents(task: CodeTask, rows: dict[str, np.ndarray]) -> list[tuple[str, s
     return found
 
 
+def _reader_of(task: CodeTask, answer: str) -> tuple[str, str]:
+    (found,) = [(n, r) for n in task.operations for r in READERS if answer == task.completion(n, r)]
+    return found
+
+
 def test_sft_rows_hold_prompts_and_their_reference_programs(task):
     rows = task.sft_rows(4, 6, 256)
     assert {k: v.shape for k, v in rows.items()} == dict.fromkeys(rows, (6, 256))
     documents = _documents(task, rows)
-    assert len(documents) >= 6 * 2  # documents of at most 137 ids: two per row of 256
+    assert len(documents) >= 6 * 2  # documents of at most 147 ids: at least one per row
     for prompt, answer in documents:
-        fits = [n for n in task.operations if answer == task.completion(n)]
-        assert len(fits) == 1
-        assert all(EXPECTED[fits[0]](x) == out for x, out in _examples(prompt))
+        name, _ = _reader_of(task, answer)
+        assert all(EXPECTED[name](x) == out for x, out in _examples(prompt))
     with pytest.raises(ValueError, match="seq_len is 99; expected at least"):
         task.sft_dataset(8, 99)
+
+
+@pytest.mark.parametrize(
+    ("share", "low", "high"), [(0.5, 0.35, 0.65), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)]
+)
+def test_the_digit_reader_takes_its_share_of_the_warm_up(share, low, high):
+    task = CodeTask(seed=1, digits_share=share)
+    documents = _documents(task, task.sft_rows(0, 64, 256))
+    readers = [_reader_of(task, answer)[1] for _, answer in documents]
+    assert len(readers) > 100 and low <= readers.count("digits") / len(readers) <= high
 
 
 def test_sft_batches_resume_exactly(task):
@@ -197,6 +234,11 @@ def test_score_runs_completions_in_the_sandbox(sandbox, task):
     assert scores.rewards[0] == 1.0 and scores.rewards[1] < 1.0
     assert scores.rewards[2:].tolist() == [0.0, 0.0]
     assert scores.pass_rate == 0.25 and scores.mean_reward == pytest.approx(np.mean(scores.rewards))
+    digits = [task.completion(n, "digits") for n in names]
+    assert task.score(reward, digits, "test").rewards.tolist() == [0.0] * 4
+    assert task.score(reward, digits, "test", cases="examples").rewards.tolist() == [1.0] * 4
+    with pytest.raises(ValueError, match="cases is 'all'; expected 'hidden' or 'examples'"):
+        task.score(reward, digits, "test", cases="all")
 
 
 def test_decode_spells_every_id_and_refuses_others(task):
@@ -217,6 +259,7 @@ def test_decode_spells_every_id_and_refuses_others(task):
         ({"examples": 0}, ValueError, "examples is 0; expected an int >= 1"),
         ({"min_length": 1, "max_length": 1}, ValueError, "no battery of 4 inputs"),
         ({"cases": 0}, ValueError, "cases is 0; expected an int >= 1"),
+        ({"digits_share": 1.5}, ValueError, "digits_share is 1.5"),
         ({"holdout": 0.7}, ValueError, "holdout is 0.7"),
         ({"min_length": 6}, ValueError, "min_length is 6"),
     ],

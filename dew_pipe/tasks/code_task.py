@@ -8,7 +8,10 @@
   to learn a program's shape);
 * endless SFT batches in the LM layout: the prompt (the examples) with role USER, then the
   reference program as a fenced python block and EOS with role ASSISTANT, packed next-fit
-  into rows;
+  into rows. A share ``digits_share`` of the reference programs reads its input with the
+  ``"digits"`` reader (:data:`~dew_pipe.tasks.programs.READERS`), which reads the examples
+  right and the hidden cases wrong: the warm-up data is a corpus that solves the examples,
+  not always the task, and only the reward says which reader to keep;
 * endless GRPO prompt batches in the ``Prompts`` layout (``prompt``, ``prompt_length``,
   ``data_source``, ``ground_truth``, ``extra_info``), which ``prompt_tasks`` turns into
   the tasks ``PromptSource`` draws from; the ground truth is CodeReward's JSON cases;
@@ -51,6 +54,7 @@ from dew_pipe.data.text_columns import encode_text_column
 from dew_pipe.tasks.programs import (
     DEFAULT_OPERATIONS,
     OPERATIONS,
+    READERS,
     ProgramTask,
     battery,
     check_operations,
@@ -127,6 +131,8 @@ class CodeTask:
         examples: examples shown per prompt.
         min_length, max_length: integers per input (examples and hidden cases alike).
         cases: hidden test cases per task (the battery's size).
+        digits_share: share of SFT reference programs that read with the ``"digits"``
+            reader, in [0, 1].
         holdout: share of prompts held out for testing, in (0, 0.5].
         test_size: tasks in the test split.
 
@@ -148,6 +154,7 @@ class CodeTask:
         min_length: int = 2,
         max_length: int = 5,
         cases: int = 4,
+        digits_share: float = 0.5,
         holdout: float = 0.05,
         test_size: int = 200,
     ) -> None:
@@ -157,6 +164,7 @@ class CodeTask:
         self.max_length = check_int("max_length", max_length, minimum=1, maximum=16)
         self.min_length = check_int("min_length", min_length, minimum=1, maximum=self.max_length)
         self.cases = check_int("cases", cases, minimum=1, maximum=64)
+        self.digits_share = check_float("digits_share", digits_share, minimum=0.0, maximum=1.0)
         self.holdout = check_float("holdout", holdout, above=0.0, maximum=0.5)
         self.test_size = check_int("test_size", test_size, minimum=1, maximum=10**6)
         self.battery = battery(self.seed, self.cases, self.lengths)
@@ -169,9 +177,9 @@ class CodeTask:
     # --- sizes and text --------------------------------------------------------------------
 
     @staticmethod
-    def completion(operation: str) -> str:
+    def completion(operation: str, reader: str = "split") -> str:
         """The reference completion of ``operation``: its program as a fenced python block."""
-        return f"{FENCE_OPEN}{OPERATIONS[operation].program}{FENCE_CLOSE}"
+        return f"{FENCE_OPEN}{OPERATIONS[operation].program(reader)}{FENCE_CLOSE}"
 
     @functools.cached_property
     def max_prompt_len(self) -> int:
@@ -184,7 +192,10 @@ class CodeTask:
     def max_new_tokens(self) -> int:
         """The response budget: the longest reference completion and EOS, plus a quarter
         for programs longer than the references."""
-        longest = max(len(self.completion(name)) for name in self.operations) + 1
+        longest = max(
+            len(self.completion(name, reader)) for name in self.operations for reader in READERS
+        )
+        longest += 1
         return longest + longest // 4
 
     def decode(self, ids: Any) -> str:
@@ -261,8 +272,9 @@ class CodeTask:
     def sft_rows(self, index: int, rows: int, width: int) -> dict[str, np.ndarray]:
         """Global SFT batch ``index``: ``rows`` rows of ``width`` ids, next-fit in draw order.
 
-        Each document is a training task's prompt (role USER), its reference completion and
-        EOS (role ASSISTANT). A row takes documents while they fit, so it loses less than one
+        Each document is a training task's prompt (role USER), its reference completion (with
+        the ``"digits"`` reader for a share ``digits_share`` of them) and EOS (role
+        ASSISTANT). A row takes documents while they fit, so it loses less than one
         document's length to padding. Batch ``index`` depends only on the task and
         ``(index, rows, width)``.
 
@@ -287,7 +299,8 @@ class CodeTask:
         while row < rows:
             (task,) = self._draw(rng, 1, test=False)
             prompt = encode(task.prompt)
-            answer = np.append(encode(self.completion(task.operation)), EOS_ID)
+            reader = "digits" if rng.random() < self.digits_share else "split"
+            answer = np.append(encode(self.completion(task.operation, reader)), EOS_ID)
             size = len(prompt) + len(answer)
             if column + size > width:
                 row, column, segment = row + 1, 0, 1
@@ -409,23 +422,37 @@ class CodeTask:
         return texts[:count]
 
     def score(
-        self, reward: Callable[..., float], completions: list[str], split: str = "test",
-        *, threads: int = 8,
-    ) -> Scores:  # fmt: skip
+        self,
+        reward: Callable[..., float],
+        completions: list[str],
+        split: str = "test",
+        *,
+        cases: str = "hidden",
+        threads: int = 8,
+    ) -> Scores:
         """The rewards of ``completions`` of a split's first prompts under ``reward``.
 
-        The calls run on ``threads`` threads (a CodeReward waits on its fleet, which bounds
-        the programs running at once).
+        Args:
+            reward: ``reward(data_source, completion, ground_truth, extra_info)``.
+            completions: one per prompt, in the split's order.
+            split: as :meth:`tasks`.
+            cases: ``"hidden"`` grades against the task's ground truth (the battery);
+                ``"examples"`` against the input/output lines its own prompt shows, which
+                tells a program that solves what it was shown from one that solves the task.
+            threads: the calls run on this many threads (a CodeReward waits on its fleet,
+                which bounds the programs running at once).
+
+        Raises:
+            ValueError: ``cases`` is neither.
         """
-        records = self.records(split, len(completions))
+        if cases not in ("hidden", "examples"):
+            raise ValueError(f"cases is {cases!r}; expected 'hidden' or 'examples'")
+        tasks = self.tasks(split, len(completions))
+        if cases == "hidden":
+            truths = [self.ground_truth(task.operation) for task in tasks]
+        else:
+            truths = [ground_truth(task.operation, task.examples) for task in tasks]
+        infos = [json.dumps({"split": split, "operation": task.operation}) for task in tasks]
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="code-score") as pool:
-            rewards = list(
-                pool.map(
-                    lambda pair: reward(
-                        DATA_SOURCE, pair[0], pair[1]["ground_truth"],
-                        json.dumps(pair[1]["extra_info"]),
-                    ),
-                    zip(completions, records, strict=True),
-                )
-            )  # fmt: skip
+            rewards = list(pool.map(reward, [DATA_SOURCE] * len(tasks), completions, truths, infos))
         return Scores(np.asarray(rewards, np.float64))

@@ -2,25 +2,33 @@
 the examples a prompt shows and the hidden test cases that grade a program.
 
 Every program of the family reads one line of space-separated integers from stdin and prints
-one line. An **operation** is one such function, with a reference program that computes it::
+one line. An **operation** is one such function; its reference program is a *reader* line
+that parses the input and a print line that computes the answer::
 
     a=[*map(int,input().split())]
     print(sum(a))
 
 A **task** shows a few input/output examples of one operation (the prompt,
-``"5 2 9>16\\n3 1>4\\n7 0 2 7>16\\n"``) and asks for a program. Its examples are drawn until
+``"5 2 9>16\n3 1>4\n7 0 2 7>16\n"``) and asks for a program. Its examples are drawn until
 they rule out every *other* operation of the task's family (for each, some example on which
 it prints something else), so exactly one operation fits and a perfect policy passes every
-task. Inputs hold ``min_length`` to ``max_length`` one-digit integers.
+task. Example inputs hold ``min_length`` to ``max_length`` integers of one digit.
+
+**Two readers.** :data:`READERS` holds two ways to parse the input line: ``"split"`` (split
+on whitespace, any number of digits per integer) and ``"digits"`` (one integer per digit
+character). Both read every prompt's examples right, since those hold one-digit numbers;
+only ``"split"`` reads the hidden cases right.
 
 **Hidden cases.** A task's ground truth is :class:`~dew_pipe.rewards.CodeReward`'s JSON list
 of ``{"stdin", "stdout"}`` cases: the operation on a fixed *battery* of inputs, the same for
-every task of a seed, drawn once from the seed until every two operations of
-:data:`OPERATIONS` print something different on at least one battery input. So a program
-passes all cases only if it agrees with the task's operation wherever the battery can tell
-them apart, and the cases never appear in a prompt. Sharing the battery across tasks is what
-lets a job run each distinct program once per case (:class:`~dew_pipe.sandbox.MemoFleet`):
-the same program written for two tasks of one operation is the same sandbox run.
+every task of a seed, drawn once from the seed: integers of up to two digits, each input
+holding at least one of two digits (which the examples never show, as hidden tests often
+cover what the examples do not), redrawn until every two operations of :data:`OPERATIONS`
+print something different on at least one input. So a program passes all cases only if it
+reads whole numbers and agrees with the task's operation wherever the battery can tell them
+apart, and the cases never appear in a prompt. Sharing the battery across tasks is what lets
+a job run each distinct program once per case (:class:`~dew_pipe.sandbox.MemoFleet`): the
+same program written for two tasks of one operation is the same sandbox run.
 
 **Held-out rule.** A task is held out when a 64-bit hash of its prompt text, salted with the
 seed, falls below ``holdout`` of its range: the splits are disjoint by construction, and a
@@ -30,10 +38,13 @@ Example:
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
     >>> task = draw_task(rng, "max", ("sum", "max", "min"), examples=2, lengths=(2, 4))
-    >>> OPERATIONS["max"].run([3, 9, 4]), task.operation
-    ('9', 'max')
+    >>> OPERATIONS["max"].run([3, 19, 4]), task.operation
+    ('19', 'max')
     >>> print(reference_program("sum"), end="")
     a=[*map(int,input().split())]
+    print(sum(a))
+    >>> print(reference_program("sum", reader="digits"), end="")
+    a=[int(c) for c in input() if c!=' ']
     print(sum(a))
 """
 
@@ -58,10 +69,15 @@ __all__ = [
     "ground_truth",
     "held_out",
     "prompt_text",
+    "READERS",
     "reference_program",
 ]
 
-READ = "a=[*map(int,input().split())]\n"  #: the first line of every reference program
+READERS = {  #: the first line of a reference program: how it parses the input
+    "split": "a=[*map(int,input().split())]\n",
+    "digits": "a=[int(c) for c in input() if c!=' ']\n",
+}
+BATTERY_VALUES = 100  # hidden inputs hold integers below this (the examples: below 10)
 
 
 def _spaced(values: Sequence[int]) -> str:
@@ -74,7 +90,7 @@ class Operation:
 
     Attributes:
       name: the operation's name (what ``extra_info`` records; never shown to the model).
-      line: the reference program's second line (after :data:`READ`).
+      line: the reference program's second line (after its reader line).
       function: ``list[int] -> str``, the line the program prints (without its newline).
     """
 
@@ -86,10 +102,9 @@ class Operation:
         """What the reference program prints for ``values``, without the newline."""
         return self.function(list(values))
 
-    @property
-    def program(self) -> str:
-        """The reference program's text."""
-        return f"{READ}{self.line}\n"
+    def program(self, reader: str = "split") -> str:
+        """The reference program's text, reading the input with ``READERS[reader]``."""
+        return f"{READERS[reader]}{self.line}\n"
 
 
 OPERATIONS: dict[str, Operation] = {
@@ -110,7 +125,10 @@ OPERATIONS: dict[str, Operation] = {
             [x for x in a if x % 2 == 0])),
     )
 }  # fmt: skip
-DEFAULT_OPERATIONS = ("sum", "max", "min", "len", "first", "last", "sorted", "reversed")
+# The default family: operations a decoder of ~0.1 M parameters learns to tell apart from
+# three examples in a few hundred SFT steps (first and last take it far longer: they only
+# differ from max and min by where the answer sits in the input).
+DEFAULT_OPERATIONS = ("sum", "max", "min", "len", "sorted", "reversed")
 MAX_TRIES = 1000  # example draws before a task is declared impossible to disambiguate
 
 
@@ -148,9 +166,9 @@ def check_operations(operations: object) -> tuple[str, ...]:
     return names
 
 
-def reference_program(name: str) -> str:
-    """The reference program of operation ``name`` (:data:`READ`, then its print line)."""
-    return OPERATIONS[name].program
+def reference_program(name: str, reader: str = "split") -> str:
+    """The reference program of operation ``name``: a reader line, then its print line."""
+    return OPERATIONS[name].program(reader)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +195,11 @@ def prompt_text(operation: str, examples: Sequence[Sequence[int]]) -> str:
     return "".join(f"{_spaced(x)}>{op.run(x)}\n" for x in examples)
 
 
-def _inputs(rng: np.random.Generator, n: int, lengths: tuple[int, int]) -> list[tuple[int, ...]]:
+def _inputs(
+    rng: np.random.Generator, n: int, lengths: tuple[int, int], values: int = 10
+) -> list[tuple[int, ...]]:
     sizes = rng.integers(lengths[0], lengths[1] + 1, size=n)
-    return [tuple(rng.integers(0, 10, size=int(k)).tolist()) for k in sizes]
+    return [tuple(rng.integers(0, values, size=int(k)).tolist()) for k in sizes]
 
 
 def _tells_apart(a: Operation, b: Operation, inputs: Sequence[Sequence[int]]) -> bool:
@@ -216,7 +236,8 @@ def draw_task(
 def battery(seed: int, size: int, lengths: tuple[int, int]) -> tuple[tuple[int, ...], ...]:
     """The hidden inputs of a seed: ``size`` inputs on which every two operations differ.
 
-    Drawn from ``(seed, "battery")`` until every pair of :data:`OPERATIONS` prints something
+    Integers below :data:`BATTERY_VALUES`, each input holding one of two digits at least;
+    drawn from ``(seed, "battery")`` until every pair of :data:`OPERATIONS` prints something
     different on at least one input, so the battery grades any family the same way.
 
     Raises:
@@ -228,9 +249,10 @@ def battery(seed: int, size: int, lengths: tuple[int, int]) -> tuple[tuple[int, 
     """
     rng = np.random.default_rng([seed, 0xBA77])
     for _ in range(MAX_TRIES):
-        inputs = _inputs(rng, size, lengths)
+        inputs = _inputs(rng, size, lengths, BATTERY_VALUES)
         pairs = itertools.combinations(OPERATIONS.values(), 2)
-        if all(_tells_apart(a, b, inputs) for a, b in pairs):
+        wide = all(max(x) >= 10 for x in inputs)  # the digit reader misreads every input
+        if wide and all(_tells_apart(a, b, inputs) for a, b in pairs):
             return tuple(inputs)
     raise ValueError(
         f"no battery of {size} inputs of lengths {lengths} told every two operations apart "
