@@ -55,6 +55,7 @@ from dew_pipe.inference import NativeRolloutServer, PromptSource, Server, ServeT
 from dew_pipe.objectives.rl import GRPOObjective, prompt_tasks
 from dew_pipe.sampling import Sampling
 from dew_pipe.stages import GraphSettings, TaskBatches, build_graph, rescorer
+from dew_pipe.stages.train import update_values
 from dew_pipe.tasks import ArithmeticTask
 from dew_pipe.tasks.plot import plot_run
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
@@ -406,19 +407,7 @@ class ArithmeticJob:
     ) -> None:
         """After each GRPO update (on the update stage's thread): log, probe, show progress."""
         s = self.settings
-        values: dict[str, Any] = {
-            "loss": round(metrics["loss"], 5),
-            "grad_norm": round(metrics.get("grad_norm", float("nan")), 4),
-            "entropy": round(metrics.get("entropy", float("nan")), 4),
-        }
-        if record is not None:
-            reward = record.metrics.get("reward/mean")
-            if reward is not None:
-                values["reward"] = round(reward, 4)
-            values["lag"] = record.lag
-            values["waited_s"] = round(record.waited_s, 3)
-        values = {k: v for k, v in values.items() if v is not None and v == v}
-        self.context.log(step=step + 1, phase="grpo", **values)
+        self.context.log(step=step + 1, phase="grpo", **update_values(metrics, record))
         self.context.progress("GRPO updates", step + 1, s.grpo_steps)
         done = step + 1
         state = pipeline.stages["update"].state

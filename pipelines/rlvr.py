@@ -79,6 +79,7 @@ from dew_pipe.sandbox import (
     SandboxLimits,
 )
 from dew_pipe.stages import GraphSettings, TaskBatches, build_graph, rescorer
+from dew_pipe.stages.train import update_values
 from dew_pipe.tasks.code_task import CodeTask
 from dew_pipe.tasks.plot import plot_run
 from dew_pipe.tasks.recipe import SFTRecipe, train_sft
@@ -449,21 +450,14 @@ class RLVRJob:
     ) -> None:
         """After each GRPO update (on the update stage's thread): log, probe, show progress."""
         s = self.settings
-        values: dict[str, Any] = {
-            "loss": round(metrics["loss"], 5),
-            "grad_norm": round(metrics.get("grad_norm", float("nan")), 4),
-            "entropy": round(metrics.get("entropy", float("nan")), 4),
-            "kl_loss": round(metrics.get("kl_loss", float("nan")), 5),  # against the SFT weights
-            "mismatch_kl": round(metrics.get("mismatch/kl", float("nan")), 5),  # vs the server
-        }
-        if record is not None:
-            reward = record.metrics.get("reward/mean")
-            if reward is not None:
-                values["reward"] = round(reward, 4)
-            values["lag"] = record.lag
-            values["waited_s"] = round(record.waited_s, 3)
-        values.update(programs_run=self.fleet.runs, programs_memo=self.fleet.hits)
-        values = {k: v for k, v in values.items() if v is not None and v == v}
+        values = update_values(
+            metrics,
+            record,
+            kl_loss=round(metrics.get("kl_loss", float("nan")), 5),  # against the SFT weights
+            mismatch_kl=round(metrics.get("mismatch/kl", float("nan")), 5),  # vs the server's
+            programs_run=self.fleet.runs,
+            programs_memo=self.fleet.hits,
+        )
         self.context.log(step=step + 1, phase="grpo", **values)
         self.context.progress("GRPO updates", step + 1, s.grpo_steps)
         done = step + 1

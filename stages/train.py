@@ -10,7 +10,8 @@ updates and ends, which ends the rest of the pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import pyarrow as pa
@@ -22,11 +23,41 @@ from dew_pipe.stages.handoff import Handoff, Ports
 from dew_pipe.stages.messages import Handover, Proximal, SchedulerRecord
 from dew_pipe.stages.protocols import TrainingState, TrainingStep, WeightsPublisher
 
-__all__ = ["Train", "UpdateLog"]
+__all__ = ["Train", "UpdateLog", "update_values"]
 
 UpdateLog = Callable[[int, dict[str, float], SchedulerRecord | None], None]
 """``log(step, metrics, record)`` after each update: the step number (0 first), the
 update's metrics as floats, and the batch's record (None without a records edge)."""
+
+
+def update_values(
+    metrics: Mapping[str, float], record: SchedulerRecord | None, **extra: Any
+) -> dict[str, Any]:
+    """What a pipeline job logs of one update (an :data:`UpdateLog`'s arguments), rounded.
+
+    ``loss`` (5 places), ``grad_norm`` and ``entropy`` (4), then ``extra`` as given, then
+    from the batch's record ``reward`` (its ``reward/mean``, 4 places), ``lag`` and
+    ``waited_s`` (3). Values that are missing, None or NaN are left out.
+
+    Example:
+      >>> import types
+      >>> record = types.SimpleNamespace(metrics={"reward/mean": 0.53125}, lag=1, waited_s=0.25)
+      >>> update_values({"loss": 0.1234567, "entropy": float("nan")}, record, tag=3)
+      {'loss': 0.12346, 'tag': 3, 'reward': 0.5312, 'lag': 1, 'waited_s': 0.25}
+    """
+    nan = float("nan")
+    values: dict[str, Any] = {
+        "loss": round(metrics["loss"], 5),
+        "grad_norm": round(metrics.get("grad_norm", nan), 4),
+        "entropy": round(metrics.get("entropy", nan), 4),
+        **extra,
+    }
+    if record is not None:
+        reward = record.metrics.get("reward/mean")
+        values["reward"] = None if reward is None else round(reward, 4)
+        values["lag"] = record.lag
+        values["waited_s"] = round(record.waited_s, 3)
+    return {k: v for k, v in values.items() if v is not None and v == v}
 
 
 class Train(Handoff):
