@@ -26,6 +26,15 @@ Optional modes (``--modes``), for the record: ``async-inprocess`` (the scheduler
 in-process ``NativeRolloutServer``, one process on both cores, so rollout and update share
 one XLA pool) and ``async-unpinned`` (``async`` with neither process pinned).
 
+The rollout server serves in ``--served-dtype`` (default ``auto``: bfloat16 weights where
+the CPU multiplies bfloat16 natively, float32 elsewhere; ``dew_pipe.inference.served_precision``);
+the synchronous modes generate with the trainer's float32 weights.
+
+A speed-up counts only if the run learns as well per update, so every mode also reports
+the mean reward of each step's batch (warm-up steps included, the same quantity in every
+mode) and, after its last step, the final policy's reward on held-out prompts (stories no
+step trained on, the same prompts and sampling keys in every mode).
+
 Each worker compiles with ``--warmup`` steps, then times ``--steps`` more steps of
 ``Trainer.fit``. It reports wall seconds, CPU seconds of the trainer process (and of the
 server process), and for the pipeline modes the per-edge queue waits and the per-stage busy
@@ -71,6 +80,24 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=24, help="R, ids per completion")
     parser.add_argument("--steps-per-call", type=int, default=8, help="server decode steps")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--served-dtype",
+        default="auto",
+        help="the rollout server's precision: auto (bfloat16 where the CPU multiplies it "
+        "natively, else float32), float32 or bfloat16",
+    )
+    parser.add_argument(
+        "--eval-prompts", type=int, default=256, help="prompts of the final held-out reward"
+    )
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW's")
+    parser.add_argument(
+        "--seeds",
+        choices=("fixed", "per-round"),
+        default="fixed",
+        help="sampling seeds: the same in every round (fixed) or round r's own (per-round), "
+        "so the learning figures average over draws",
+    )
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--rescore",
         action="store_true",
@@ -224,7 +251,7 @@ class TimedRollout:
     """Wraps the synchronous rollout hook: seconds waiting for the last update, and rolling out."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.update_wait, self.rollout = inner, [], []
+        self.inner, self.update_wait, self.rollout, self.rewards = inner, [], [], []
 
     def __call__(self, state, batch, key):
         import jax
@@ -235,6 +262,7 @@ class TimedRollout:
         out = self.inner(state, batch, key)
         self.update_wait.append(ready - start)
         self.rollout.append(time.perf_counter() - ready)
+        self.rewards.append(self.inner.metrics().get("reward/mean"))
         return out
 
     def metrics(self):
@@ -279,7 +307,11 @@ def worker(args: argparse.Namespace) -> dict:
     )
     sampling = Sampling(temperature=1.0, top_k=40)
     trainer_of = lambda rollout: Trainer(  # noqa: E731
-        objective, optax.adamw(1e-4), key=jax.random.key(0), rollout=rollout, progress=False
+        objective,
+        optax.adamw(args.learning_rate),
+        key=jax.random.key(args.seed),
+        rollout=rollout,
+        progress=False,
     )
     out: dict = {"mode": mode, "cores": sorted(os.sched_getaffinity(0))}
     if mode in SYNC:
@@ -301,10 +333,34 @@ def worker(args: argparse.Namespace) -> dict:
         jax.block_until_ready(state)
         out.update(probe.stop())
         out["rollout_s"] = statistics.median(rollout.rollout)
-        out["reward_mean"] = rollout.metrics().get("reward/mean")
-        return out
-    out.update(pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data))
+        out["rewards"] = rollout.rewards  # every step's batch, warm-up steps first
+    else:
+        found = pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data)
+        state = found.pop("state")
+        out.update(found)
+    out["eval_reward"] = held_out_reward(args, objective.model, state.params, tokenizer)
     return out
+
+
+def held_out_reward(args: argparse.Namespace, model, params, tokenizer) -> float:
+    """The final policy's mean reward on story prefixes no step trained on: ``G`` draws
+    for each of ``--eval-prompts`` prompts, the same prompts and keys in every mode."""
+    import jax
+    import numpy as np
+
+    from dew_pipe import Sampling
+    from dew_pipe.inference import generate
+
+    held = prompt_rows(tokenizer, args, count=512 + args.eval_prompts)[512 // args.prompts :]
+    prompts = np.concatenate([b["prompt"] for b in held])[: args.eval_prompts]
+    lengths = np.concatenate([b["prompt_length"] for b in held])[: args.eval_prompts]
+    prompts, lengths = np.repeat(prompts, args.groups, 0), np.repeat(lengths, args.groups)
+    out = generate(
+        model, params, prompts, lengths, args.new_tokens, jax.random.key(123),
+        Sampling(temperature=1.0, top_k=40),
+    )  # fmt: skip
+    ids = np.asarray(out.ids)
+    return float(np.mean([reward("", tokenizer.decode(list(row)), "dog", "") for row in ids]))
 
 
 def serving(args: argparse.Namespace, mode: str, model, variables, sampling):
@@ -318,6 +374,7 @@ def serving(args: argparse.Namespace, mode: str, model, variables, sampling):
         steps_per_call=args.steps_per_call,
         buckets=(args.prompt_len,),  # one prefill width: prompts are left padded to P
         gather_s=0.25,  # a batch's B * G submissions start in one prefill (they fill the rows)
+        dtype=args.served_dtype,
     )
     if mode == "async-inprocess":
         return NativeRolloutServer(Server.from_task(task, **options))
@@ -335,7 +392,12 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
     ahead = 0 if mode == "sync-pipeline" else 1
     server = serving(args, mode, objective.model, objective.pretrained, sampling)
     source = PromptSource(
-        server, reward, decode=tokenizer.decode, max_new_tokens=args.new_tokens, workers=2
+        server,
+        reward,
+        decode=tokenizer.decode,
+        max_new_tokens=args.new_tokens,
+        workers=2,
+        seed=args.seed,
     )
     records = []
     scheduler = RolloutScheduler(
@@ -357,6 +419,7 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
         trainer = trainer_of(scheduler)
         stream = scheduler.tasks(data)
         state = trainer.fit(stream, steps=args.warmup, log_every=args.warmup)
+        warm = [r.metrics["reward/mean"] for r in records]
         del records[:]
         probe = Probe(child)
         state = trainer.fit(stream, steps=args.warmup + args.steps, state=state, log_every=1000)
@@ -371,7 +434,9 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
     out["push_s"] = statistics.median(r.push_s for r in records)
     out["lag_max"] = max(r.lag for r in records)
     out["latency_p50_s"] = statistics.median(r.metrics["latency/p50"] for r in records)
-    out["reward_mean"] = statistics.fmean(r.metrics["reward/mean"] for r in records)
+    # every step's batch, warm-up steps first, in training order (as the sync modes)
+    out["rewards"] = warm + [r.metrics["reward/mean"] for r in records]
+    out["state"] = state
     out["edges"] = {
         name: {"items": e.items, "put_wait_s": e.put_wait_s, "get_wait_s": e.get_wait_s}
         for name, e in snapshot.edges.items()
@@ -403,6 +468,8 @@ def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
         "--prompts", str(args.prompts), "--groups", str(args.groups),
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--steps-per-call", str(args.steps_per_call), *(["--rescore"] if args.rescore else []),
+        "--served-dtype", args.served_dtype, "--eval-prompts", str(args.eval_prompts),
+        "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
     ]  # fmt: skip
     others, waited = others_now(), 0.0
     while others > args.quiet and waited < args.max_wait:  # let a neighbour's burst pass
@@ -479,6 +546,39 @@ def summary(results: list[list[dict]], args: argparse.Namespace) -> None:
         for key in ("waited_s", "push_s", "latency_p50_s"):
             print(f"{key}: median {median_of(runs, key) * 1e3:.0f} ms")
         print(f"lag max: {max(r['lag_max'] for r in runs)}")
+    learning(by_mode, args)
+
+
+def learning(by_mode: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    """Reward per update in every mode, on the same scale: the mean reward of each step's
+    batch (pooled over rounds), its mean over the first and the second half of the steps,
+    and the final policy's held-out reward, so a faster mode that learns less shows."""
+    total = args.warmup + args.steps
+    half = total // 2
+    print("\nlearning per update (mean reward of each step's batch of B x G completions;")
+    print(f"steps 0-{half - 1} and {half}-{total - 1}; held out: {args.eval_prompts} new")
+    print("prompts x G draws of the final policy, same prompts and keys in every mode)")
+    print(
+        "| mode | reward, steps 1st half | 2nd half | last step | first step at >= 0.5 "
+        "(per round) | held out (per round) |"
+    )
+    print("|---|---:|---:|---:|---|---|")
+    for mode, runs in by_mode.items():
+        series = [r["rewards"] for r in runs if len(r.get("rewards") or []) == total]
+        if not series:
+            continue
+        first = statistics.fmean(v for rs in series for v in rs[:half])
+        second = statistics.fmean(v for rs in series for v in rs[half:])
+        last = statistics.fmean(rs[-1] for rs in series)
+        held = ", ".join(f"{r['eval_reward']:.3f}" for r in runs)
+        reached = ", ".join(
+            str(next((i for i, v in enumerate(r["rewards"]) if v >= 0.5), "-")) for r in runs
+        )
+        print(f"| {mode} | {first:.4f} | {second:.4f} | {last:.4f} | {reached} | {held} |")
+    for mode, runs in by_mode.items():
+        for r in runs:
+            steps = " ".join(f"{v:.3f}" for v in r.get("rewards") or [])
+            print(f"{mode} reward per step: {steps}")
 
 
 def main() -> None:
@@ -496,6 +596,7 @@ def main() -> None:
             shift = index % len(args.modes)
             order = args.modes[shift:] + args.modes[:shift]
             round_results = []
+            args.seed = index if args.seeds == "per-round" else 0
             for mode in order:
                 result = run_worker(mode, args, weights)
                 round_results.append(result)
