@@ -26,10 +26,8 @@ Failure and shutdown: `close` stops the thread, fails every unfinished future an
 the thread; an exception inside the thread fails every future and is raised (as the cause)
 by the next `submit` or `reload`.
 
-Measured on the shared 2-core CPU machine (a 4-layer, 128-wide decoder, prompts of 4 to 40
-ids, budgets of 16 to 64, warm compiles): 4 rows gave 2.6k ids/s at ``steps_per_call=1``
-(1.4 ms per step) and 6.1k ids/s at 8 (0.6 ms); 16 rows 3.3k and 4.8k ids/s. The gap is
-the host round trip of each call, which ``steps_per_call`` amortises.
+Measured on the shared 2-core CPU machine (a 4-layer, 128-wide decoder): 4 rows gave 2.6k
+ids/s at ``steps_per_call=1`` and 6.1k at 8; the gap is each call's host round trip.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ import numpy as np
 from dew_pipe._validate import check_int
 from dew_pipe.inference.decoding import serving_cache
 from dew_pipe.inference.servers import engine_steps
-from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters
+from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters, resolve
 from dew_pipe.inference.servers.engine_setup import (
     SEED_LIMIT,
     ServeTask,
@@ -316,9 +314,8 @@ class Server:
 
         Returns:
             A future resolved with ``version`` once the weights serve (done when
-            ``wait``); it fails (RuntimeError, chained from the cause) if the server
-            closes or fails first. Pushes made before it apply first; a later push may
-            replace it before it ever serves, and its future then resolves with it.
+            ``wait``), or failed if the server closes or fails first. Pushes queued at one
+            step boundary all resolve there; only the newest is copied.
 
         Raises:
             TypeError / ValueError: a tree that does not match, naming the leaf; a bad
@@ -493,13 +490,13 @@ class Server:
             jax.block_until_ready(self._variables)
         except BaseException as error:
             for request in requests:
-                _resolve(request.future, error=error)
+                resolve(request.future, error=error)
             raise
         with self._cond:
             self._served = last.version
             self._counts["reloads"] += len(requests)
         for request in requests:
-            _resolve(request.future, request.version)
+            resolve(request.future, request.version)
 
     def _start(self, joining: list[int], mid_flight: bool) -> None:
         """Prefills the requests just placed in rows ``joining`` (one compiled call)."""
@@ -630,15 +627,4 @@ class Server:
             with self._cond:
                 self._counts["failed"] += 1
         for reload in reloads:
-            _resolve(reload.future, error=error)
-
-
-def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Resolves a push's future (once; a cancelled one stays cancelled)."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
+            resolve(reload.future, error=error)

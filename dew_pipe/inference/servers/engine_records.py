@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Reload", "Request", "ServerCounters"]
+__all__ = ["Reload", "Request", "ServerCounters", "resolve"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,3 +82,15 @@ class Reload:
     variables: Any
     version: int
     future: Future = dataclasses.field(default_factory=Future)
+
+
+def resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolves ``future`` with ``result`` or ``error`` unless it is already done (a
+    cancelled push's future stays cancelled)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
