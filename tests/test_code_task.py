@@ -278,3 +278,31 @@ def test_operations_and_draws_refuse_bad_input():
         draw_task(rng, "first", ("first", "max"), examples=2, lengths=(1, 1))
     with pytest.raises(ValueError, match="split is 'dev'"):
         CodeTask().tasks("dev")
+
+
+def test_greedy_completions_in_chunks_match_one_call(task):
+    """CodeTask.completions (generate_in_chunks, 2 prompts a call, the last chunk padded)
+    against generate on all prompts at once: greedy rows do not depend on their batch."""
+    import jax
+
+    from dew_pipe import models
+    from dew_pipe.inference.generation import generate
+    from dew_pipe.sampling import Sampling
+
+    model = models.build(
+        "causal_transformer", vocab_size=task.vocab_size, emb_features=16, num_layers=1,
+        num_heads=2, mlp_features=32, max_seq_len=task.max_prompt_len + task.max_new_tokens,
+    )  # fmt: skip
+    variables = model.init(jax.random.key(3), np.zeros((1, 8), np.int32))
+    texts = task.completions(model, variables, "test", 5, batch=2)
+    prompts, lengths = task.prompt_arrays(task.tasks("test", 5))
+    out = generate(
+        model, variables, prompts, lengths, task.max_new_tokens, jax.random.key(0),
+        Sampling(temperature=0.0, eos_id=EOS_ID),
+    )  # fmt: skip
+    ids, used = np.asarray(out.ids), np.asarray(out.lengths)
+    expected = []
+    for row, k in zip(ids, used, strict=True):
+        row = row[:k]
+        expected.append(task.decode(row[:-1] if row[-1] == EOS_ID else row))
+    assert texts == expected and len(texts) == 5

@@ -37,7 +37,7 @@ from dew_pipe._validate import check_int
 from dew_pipe.inference.decoding import decode_step
 from dew_pipe.sampling import Sampling, sample
 
-__all__ = ["Generated", "generate"]
+__all__ = ["Generated", "generate", "generate_in_chunks"]
 
 
 class Generated(NamedTuple):
@@ -166,6 +166,57 @@ def generate(
         support=bool(support),
         pad_id=int(pad_id),
     )
+
+
+def generate_in_chunks(
+    model: Any,
+    variables: Any,
+    prompts: Any,
+    prompt_lengths: Any,
+    max_new_tokens: int,
+    key: jax.Array,
+    sampling: Sampling | None = None,
+    *,
+    batch: int,
+    pad_id: int = 0,
+) -> list[np.ndarray]:
+    """`generate` over any number of prompts, ``batch`` at a time: each row's sampled ids.
+
+    The last chunk is padded to ``batch`` rows with copies of the first prompt, so one
+    compile serves every call; chunk ``c`` draws with ``fold_in(key, c)``.
+
+    Returns:
+        One int32 array per prompt: its sampled ids (EOS included on a natural stop).
+
+    Raises:
+        As `generate`; ValueError for a ``batch`` below 1.
+
+    Example:
+        >>> rows = generate_in_chunks(model, variables, prompts, lengths, 8, jax.random.key(0),
+        ...                           Sampling(eos_id=2, temperature=0), batch=64)  # doctest: +SKIP
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch is {batch!r}; expected an int >= 1")
+    prompts, prompt_lengths = np.asarray(prompts), np.asarray(prompt_lengths)
+    count = len(prompts)
+    fill = -count % batch
+    prompts = np.concatenate([prompts, np.repeat(prompts[:1], fill, axis=0)])
+    prompt_lengths = np.concatenate([prompt_lengths, np.repeat(prompt_lengths[:1], fill)])
+    rows: list[np.ndarray] = []
+    for call, start in enumerate(range(0, count + fill, batch)):
+        out = generate(
+            model,
+            variables,
+            prompts[start : start + batch],
+            prompt_lengths[start : start + batch],
+            max_new_tokens,
+            jax.random.fold_in(key, call),
+            sampling,
+            pad_id=pad_id,
+        )
+        ids, used = np.asarray(out.ids), np.asarray(out.lengths)
+        rows.extend(row[:k] for row, k in zip(ids, used, strict=True))
+    return rows[:count]
 
 
 def _budgets(value: Any, rows: int) -> np.ndarray:

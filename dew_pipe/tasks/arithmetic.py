@@ -458,7 +458,7 @@ class ArithmeticTask:
 
         import jax
 
-        from dew_pipe.inference.generation import generate
+        from dew_pipe.inference.generation import generate_in_chunks
         from dew_pipe.sampling import Sampling
 
         sampling = Sampling(temperature=0.0) if sampling is None else sampling
@@ -468,25 +468,11 @@ class ArithmeticTask:
         key = jax.random.key(0) if key is None else key
         batch = check_int("batch", batch, minimum=1, maximum=2**20)
         prompts, lengths = self.prompt_arrays(split, n)
-        count = len(prompts)
-        fill = -count % batch
-        prompts = np.concatenate([prompts, np.repeat(prompts[:1], fill, axis=0)])
-        lengths = np.concatenate([lengths, np.repeat(lengths[:1], fill)])
-        texts = []
-        for call, start in enumerate(range(0, count + fill, batch)):
-            out = generate(
-                model,
-                variables,
-                prompts[start : start + batch],
-                lengths[start : start + batch],
-                self.max_new_tokens,
-                jax.random.fold_in(key, call),
-                sampling,
-                pad_id=PAD_ID,
-            )
-            ids, used = np.asarray(out.ids), np.asarray(out.lengths)
-            texts.extend(self.decode(row[:k]) for row, k in zip(ids, used, strict=True))
-        return texts[:count]
+        rows = generate_in_chunks(
+            model, variables, prompts, lengths, self.max_new_tokens, key, sampling,
+            batch=batch, pad_id=PAD_ID,
+        )  # fmt: skip
+        return [self.decode(row) for row in rows]
 
     def score(self, completions: list[str], split: str = "test") -> np.ndarray:
         """float ``[n]``: the reward of each completion against the split's first n answers."""

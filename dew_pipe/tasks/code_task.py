@@ -391,35 +391,19 @@ class CodeTask:
         """
         import jax
 
-        from dew_pipe.inference.generation import generate
+        from dew_pipe.inference.generation import generate_in_chunks
         from dew_pipe.sampling import Sampling
 
         sampling = Sampling(temperature=0.0) if sampling is None else sampling
         sampling = dataclasses.replace(sampling, eos_id=EOS_ID)
         key = jax.random.key(0) if key is None else key
         prompts, lengths = self.prompt_arrays(self.tasks(split, n))
-        count = len(prompts)
-        batch = min(check_int("batch", batch, minimum=1, maximum=2**20), count)
-        fill = -count % batch  # the last call is padded, so one compile serves every call
-        prompts = np.concatenate([prompts, np.repeat(prompts[:1], fill, axis=0)])
-        lengths = np.concatenate([lengths, np.repeat(lengths[:1], fill)])
-        texts = []
-        for call, start in enumerate(range(0, count + fill, batch)):
-            out = generate(
-                model,
-                variables,
-                prompts[start : start + batch],
-                lengths[start : start + batch],
-                self.max_new_tokens,
-                jax.random.fold_in(key, call),
-                sampling,
-                pad_id=PAD_ID,
-            )
-            ids, used = np.asarray(out.ids), np.asarray(out.lengths)
-            for row, k in zip(ids, used, strict=True):
-                row = row[:k]
-                texts.append(self.decode(row[:-1] if k and row[-1] == EOS_ID else row))
-        return texts[:count]
+        batch = min(check_int("batch", batch, minimum=1, maximum=2**20), len(prompts))
+        rows = generate_in_chunks(
+            model, variables, prompts, lengths, self.max_new_tokens, key, sampling,
+            batch=batch, pad_id=PAD_ID,
+        )  # fmt: skip
+        return [self.decode(row[:-1] if len(row) and row[-1] == EOS_ID else row) for row in rows]
 
     def score(
         self,
