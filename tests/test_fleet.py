@@ -330,6 +330,34 @@ def test_parent_environment_is_invisible(monkeypatch):
     assert set(seen) <= {"PATH", "LANG", "HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE", "LC_CTYPE"}
 
 
+LIMITS_INSIDE = """
+import json, os, resource
+print(json.dumps({
+    "core": resource.getrlimit(resource.RLIMIT_CORE),
+    "cpu": resource.getrlimit(resource.RLIMIT_CPU),
+    "address_space": resource.getrlimit(resource.RLIMIT_AS),
+    "session_leader": os.getsid(0) == os.getpid(),
+    "group_leader": os.getpgid(0) == os.getpid(),
+}))
+"""
+
+
+@pytest.mark.parametrize("runner", ["process", "bubblewrap"])
+def test_limits_as_the_program_sees_them(runner):
+    """No core dumps, the CPU and address-space limits asked for, a session of its own."""
+    limits = SandboxLimits(cpu_seconds=2.5, memory_bytes=300 * 2**20, wall_seconds=10)
+    chosen = ProcessRunner() if runner == "process" else bubblewrap_runner()
+    with SandboxFleet(chosen, limits, workers=1) as fleet:
+        outcome = fleet.submit(py(LIMITS_INSIDE)).result()
+    assert outcome.verdict is Verdict.COMPLETED, outcome.stderr.decode()
+    seen = json.loads(outcome.text)
+    assert seen["core"] == [0, 0]
+    assert seen["cpu"] == list(limits.cpu_rlimit) == [3, 4]
+    assert seen["address_space"] == [limits.memory_bytes] * 2
+    if runner == "process":  # under bwrap the session is bwrap's (--new-session), inside it
+        assert seen["session_leader"] and seen["group_leader"]
+
+
 def test_workers_run_in_parallel():
     program = py("import time; time.sleep(1); print('done')")
     with SandboxFleet(ProcessRunner(), SandboxLimits(wall_seconds=10), workers=4) as fleet:
