@@ -1,30 +1,38 @@
-"""Greedy generation tokens/s: dew_pipe's compiled generation against transformers `generate`.
+"""Greedy tokens/s at the served precision against transformers `generate`, and the roofline.
 
 Both sides run the same Llama-style model with the same weights: the script initialises
 the decoder, writes it as a transformers checkpoint with `Pretrained.save`, loads it back
 for JAX with `load_pretrained` (the HF import) and hands the directory to the torch side,
-which loads it with ``LlamaForCausalLM.from_pretrained`` and calls ``generate`` with its
-KV cache (greedy, no EOS, so every row runs the full budget on both sides).
+which loads it with ``LlamaForCausalLM.from_pretrained`` in float32 and in bfloat16 and
+calls ``generate`` with its KV cache (greedy, no EOS, so every row runs the full budget).
 
-The torch side runs in a separate interpreter (dew_pipe never imports torch): the Python of
-the reference environment, found from ``--reference-python``, else the
-``DEW_PIPE_REFERENCE_PYTHON`` environment variable, else ``.reference-venv/bin/python``, which
-``benchmarks/reference_env.sh`` builds (``benchmarks/reference.py``). It stays up for the
-whole run and times one ``generate`` call per request, so the two sides alternate round by
-round on a machine shared with other work; each side reports the median of its rounds. Both
-use float32.
+dew_pipe runs `dew_pipe.inference.generate` in float32 and at the served precision
+(``--served-dtype``, default ``auto``: `dew_pipe.inference.served_precision`, bfloat16
+weights where the CPU multiplies bfloat16 natively, with float32 activations and cache on a
+CPU; float32 on AVX2-only CPUs), and the continuous-batching `Server` at the served
+precision (every row submitted at once, ``--steps-per-call`` ids per compiled call). The
+baseline is transformers at its best CPU setting in the same round: the fastest of float32
+and bfloat16, each with torch's default intra-op threads and with one (on a machine other
+jobs load, the default OpenMP threads spin at every barrier on a core they do not get, and
+one thread is then the faster).
 
-Threads: XLA runs this model's decode step on one core (its CPU time equals its wall
-time), and torch runs with one intra-op thread by default here (``--torch-threads``). On a
-2-core machine that other jobs also load, torch's default two OpenMP threads spin at every
-barrier while one of them waits to be scheduled: the same call then takes 0.2 s or 10 s
-depending on the neighbours, which measures the machine rather than the library. Pass
-``--torch-threads 0`` to time torch's default anyway.
+The roofline: ``--bandwidth-mb`` arrays are read (a jitted sum, the way decode reads weights)
+and copied in JAX on one core in the same run, between the rounds; a decode step must read
+every matmul weight at the served precision plus each row's filled cache, so the fastest a
+step can be is those bytes over the read bandwidth. The figure is that time over the
+measured decode time (the whole call minus a prefill-only call, ``max_new_tokens=1``).
+Weights that fit in the CPU's caches can beat it (above 100%).
+
+The torch side runs in the reference environment (dew_pipe never imports torch): the
+Python found from ``--reference-python``, else ``$DEW_PIPE_REFERENCE_PYTHON``, else
+``.reference-venv/bin/python`` (``benchmarks/reference_env.sh`` builds it). The sides
+alternate call by call; each figure is the median of its rounds.
 
 Default sizes (issue 5): vocab 4096, hidden 256, 4 layers, 8 heads, 4 kv heads,
-intermediate 704; batch 16, prompt 32, 64 new tokens. Goal: >= 3x transformers.
+intermediate 704; prompt 32, 64 new tokens; batches 16, 64 and 256. Goal (issue 18): at
+batch 16, >= 3x transformers and >= 70% of the roofline.
 
-    .venv/bin/python benchmarks/generate.py [--rounds 15] [--reference-python PATH]
+    .venv/bin/python benchmarks/generate.py [--rounds 7] [--batches 16,64,256]
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from pathlib import Path
 from machine import print_machine
 from reference import add_reference_argument, reference_python
 
+TORCH_DTYPES = ("float32", "bfloat16")
+THREADS = {"default": 0, "one": 1}  # torch's default intra-op threads, and one
 CONFIG = dict(
     vocab_size=4096,
     emb_features=256,
@@ -52,44 +62,53 @@ CONFIG = dict(
 )
 
 
-def torch_worker(directory: str, threads: int) -> None:
-    """Runs in the reference environment: loads the checkpoint, answers 'run' with a timing."""
+def torch_worker(directory: str) -> None:
+    """Runs in the reference environment: answers ``{"batch", "dtype", "threads"}`` (0:
+    torch's default) with a timed call."""
     import numpy as np
     import torch
     import transformers
 
-    if threads > 0:
-        torch.set_num_threads(threads)
-    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # no early stop: every row runs the budget
-    model.generation_config.pad_token_id = 0
+    default = torch.get_num_threads()
     spec = json.loads(Path(directory, "bench.json").read_text())
-    prompts = torch.from_numpy(np.load(Path(directory, "prompts.npy")).astype(np.int64))
-    mask = torch.ones_like(prompts)
+    models = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+        model.generation_config.eos_token_id = None  # no early stop: every row runs the budget
+        model.generation_config.pad_token_id = 0
+        models[name] = model
+    every = torch.from_numpy(np.load(Path(directory, "prompts.npy")).astype(np.int64))
 
-    def run() -> tuple[float, list]:
+    def run(batch: int, name: str, threads: int = 0) -> tuple[float, list]:
+        torch.set_num_threads(threads or default)
+        prompts = every[:batch]
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
-                prompts, attention_mask=mask, max_new_tokens=spec["new"], do_sample=False
+            out = models[name].generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=spec["new"],
+                do_sample=False,
             )
         return time.perf_counter() - start, out[:, prompts.shape[1] :].tolist()
 
-    run()  # warm-up
-    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for name in models:
+        run(spec["batches"][0], name)  # warm-up
+    print(json.dumps({"ready": True, "threads": default}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "run":
+        if not line.strip():
             break
-        seconds, ids = run()
+        request = json.loads(line)
+        seconds, ids = run(request["batch"], request["dtype"], request["threads"])
         print(json.dumps({"seconds": seconds, "ids": ids}), flush=True)
 
 
 class TorchSide:
     """The torch worker process, one timed generate per `run` call."""
 
-    def __init__(self, python: str, directory: str, threads: int) -> None:
+    def __init__(self, python: str, directory: str) -> None:
         self.process = subprocess.Popen(
-            [python, __file__, "--torch-worker", directory, "--torch-threads", str(threads)],
+            [python, __file__, "--torch-worker", directory],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -102,109 +121,208 @@ class TorchSide:
             raise RuntimeError(f"torch worker exited with status {self.process.wait()}")
         return json.loads(line)
 
-    def run(self) -> dict:
-        self.process.stdin.write("run\n")
+    def run(self, batch: int, dtype: str, threads: int) -> dict:
+        request = {"batch": batch, "dtype": dtype, "threads": threads}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return self._read()
 
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.stdin.close()
-            self.process.wait(timeout=60)
+            self.process.wait(timeout=120)
 
 
-def report(args: argparse.Namespace, runs: dict) -> None:
-    """Prints both sides' medians, the ratios and the agreement of the greedy ids."""
+def bandwidth(megabytes: int) -> dict:
+    """Read and copy bandwidth of this process's XLA (one core here), GB/s, best of 5."""
+    import jax
+    import jax.numpy as jnp
 
-    mine, theirs, ids, torch_ids = runs["mine"], runs["theirs"], runs["ids"], runs["torch_ids"]
-    tokens = args.batch * args.new
-    ours_s, torch_s = statistics.median(mine), statistics.median(theirs)
-    ratios = [t / m for m, t in zip(mine, theirs, strict=True)]
-    print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy, float32, "
-          f"{args.rounds} rounds; torch threads {runs['threads']}; jax {runs['devices']}")  # fmt: skip
-    print(f"dew_pipe generate: median {ours_s * 1e3:7.1f} ms  {tokens / ours_s:8.0f} tokens/s")
-    print(f"   (min {min(mine) * 1e3:.1f} ms; first call with compile {runs['compile_s']:.2f} s)")
-    print(f"transformers:      median {torch_s * 1e3:7.1f} ms  {tokens / torch_s:8.0f} tokens/s")
-    print(f"   (min {min(theirs) * 1e3:.1f} ms)")
-    print(f"speed-up: {torch_s / ours_s:.2f}x of medians, {min(theirs) / min(mine):.2f}x of minima")
-    print(
-        f"per-round ratios (each side's call of the same round): median "
-        f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
-    )
-    same = float((ids == torch_ids).mean())
-    print(
-        f"same greedy ids as transformers: {same:.1%} (first id {(ids[:, 0] == torch_ids[:, 0]).mean():.1%})"
-    )
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    read, copy = jax.jit(jnp.sum), jax.jit(lambda x: x + 1.0)
+    read(x).block_until_ready(), copy(x).block_until_ready()
+    best = {"read": 1e9, "copy": 1e9}
+    for _ in range(5):
+        for name, f in (("read", read), ("copy", copy)):
+            start = time.perf_counter()
+            f(x).block_until_ready()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {"read": x.nbytes / best["read"] / 1e9, "copy": 2 * x.nbytes / best["copy"] / 1e9}
+
+
+def step_bytes(variables, config: dict, batch: int, prompt: int, new: int, cache_bytes: int):
+    """Bytes a decode step must read, averaged over the steps: every matmul weight as
+    stored (the embedding only for the fed rows) and each row's filled keys and values."""
+    import jax
+
+    weights = sum(
+        leaf.nbytes for path, leaf in jax.tree_util.tree_leaves_with_path(variables)
+        if "embed" not in jax.tree_util.keystr(path)
+    )  # fmt: skip
+    head_dim = config["emb_features"] // config["num_heads"]
+    per_position = 2 * config["num_layers"] * config["num_kv_heads"] * head_dim * cache_bytes
+    filled = prompt + (new - 1) / 2  # the mean cache length over the decode steps
+    return weights + batch * filled * per_position
 
 
 def measure(args: argparse.Namespace, python: str) -> dict:
-    """Builds the model, exports it for torch, and times alternating rounds of both sides."""
+    """Builds the model, exports it for torch, and times alternating rounds of every side."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from dew_pipe import models
-    from dew_pipe.inference import generate
+    from dew_pipe.inference import Server, ServeTask, generate, served_precision
+    from dew_pipe.inference.servers.engine_setup import served_copy, served_model
     from dew_pipe.sampling import Sampling
 
-    B, P, R = args.batch, args.prompt, args.new
+    P, R = args.prompt, args.new
     model = models.build("causal_transformer", **CONFIG)
     variables = model.init(jax.random.key(args.seed), jnp.zeros((1, 8), jnp.int32))
     rng = np.random.default_rng(args.seed)
-    prompts = rng.integers(0, CONFIG["vocab_size"], (B, P)).astype(np.int32)
-    lengths = np.full(B, P, np.int32)
+    every = rng.integers(0, CONFIG["vocab_size"], (max(args.batches), P)).astype(np.int32)
     greedy = Sampling(temperature=0)
+    device = jax.devices()[0]
+    dtype = served_precision(device.platform) if args.served_dtype == "auto" else args.served_dtype
+    dtype = np.dtype(dtype)
+    runs: dict = {"served": str(dtype), "batches": {}}
     with tempfile.TemporaryDirectory() as directory:
         exported = models.Pretrained.from_model(model, variables, architecture="LlamaForCausalLM")
         exported.save(variables, directory)
-        np.save(Path(directory, "prompts.npy"), prompts)
-        Path(directory, "bench.json").write_text(json.dumps({"new": R}))
+        np.save(Path(directory, "prompts.npy"), every)
+        Path(directory, "bench.json").write_text(json.dumps({"new": R, "batches": args.batches}))
         pretrained = models.load_pretrained(directory, max_seq_len=CONFIG["max_seq_len"])
+        served, _ = served_model(pretrained.model, dtype, device.platform)
+        served_vars = served_copy(pretrained.variables, dtype, device)
+        ours = {
+            "float32": (pretrained.model, pretrained.variables),
+            "served": (served, served_vars),
+        }
 
-        def ours() -> tuple[float, np.ndarray]:
+        def call(name: str, batch: int, new: int) -> tuple[float, np.ndarray]:
+            m, v = ours[name]
+            prompts, lengths = every[:batch], np.full(batch, P, np.int32)
             start = time.perf_counter()
-            out = generate(
-                pretrained.model, pretrained.variables, prompts, lengths, R,
-                jax.random.key(0), greedy,
-            )  # fmt: skip
+            out = generate(m, v, prompts, lengths, new, jax.random.key(0), greedy)
             ids = np.asarray(out.ids)  # includes the device-to-host copy
             return time.perf_counter() - start, ids
 
-        torch_side = TorchSide(python, directory, args.torch_threads)
+        def serve(server: Server, batch: int) -> tuple[float, np.ndarray]:
+            start = time.perf_counter()
+            futures = [server.submit(every[b], R, seed=0) for b in range(batch)]
+            ids = np.stack([f.result().sampled_ids for f in futures])
+            return time.perf_counter() - start, ids
+
+        torch_side = TorchSide(python, directory)
         try:
-            compile_s, _ = ours()
-            runs = dict(mine=[], theirs=[], compile_s=compile_s)
-            for _ in range(args.rounds):
-                seconds, runs["ids"] = ours()
-                runs["mine"].append(seconds)
-                reply = torch_side.run()
-                runs["theirs"].append(reply["seconds"])
-            runs["torch_ids"] = np.asarray(reply["ids"])
+            runs["threads"] = torch_side.info["threads"]
+            for batch in args.batches:
+                server = Server.from_task(
+                    ServeTask(pretrained.model, pretrained.variables, greedy),
+                    slots=batch, capacity=P + R - 1, dtype=dtype,
+                    steps_per_call=args.steps_per_call, buckets=(P,), gather_s=1.0,
+                )  # fmt: skip
+                try:
+                    row = {k: [] for k in ("float32", "served", "prefill", "server")}
+                    row.update({f"torch_{d}_{t}": [] for d in TORCH_DTYPES for t in THREADS})
+                    row["bandwidth"] = []
+                    compile_s = {n: call(n, batch, R)[0] for n in ours}
+                    call("served", batch, 1), serve(server, batch)
+                    for _ in range(args.rounds):
+                        for name in ours:
+                            seconds, row[f"{name}_ids"] = call(name, batch, R)
+                            row[name].append(seconds)
+                        row["prefill"].append(call("served", batch, 1)[0])
+                        seconds, row["server_ids"] = serve(server, batch)
+                        row["server"].append(seconds)
+                        for name in TORCH_DTYPES:
+                            for threads in THREADS:
+                                reply = torch_side.run(batch, name, THREADS[threads])
+                                row[f"torch_{name}_{threads}"].append(reply["seconds"])
+                            row[f"torch_{name}_ids"] = np.asarray(reply["ids"])
+                        row["bandwidth"].append(bandwidth(args.bandwidth_mb))
+                finally:
+                    server.close()
+                row["compile_s"] = compile_s
+                row["bytes"] = step_bytes(served_vars, CONFIG, batch, P, R, 4)
+                runs["batches"][batch] = row
         finally:
             torch_side.close()
-    runs.update(threads=torch_side.info["threads"], devices=jax.devices())
+    runs["devices"] = str(jax.devices())
     return runs
+
+
+def report(args: argparse.Namespace, runs: dict) -> None:
+    """Per batch: each side's median, the speed-ups, the roofline and the greedy agreement."""
+    med = statistics.median
+    print(
+        f"prompt {args.prompt}, {args.new} new tokens, greedy, {args.rounds} rounds; served "
+        f"precision {runs['served']}; torch default threads {runs['threads']}; "
+        f"jax {runs['devices']}"
+    )
+    for batch, row in runs["batches"].items():
+        tokens = batch * args.new
+        reads = [b["read"] for b in row["bandwidth"]]
+        copies = [b["copy"] for b in row["bandwidth"]]
+        print(f"\nbatch {batch}: read bandwidth {med(reads):.1f} GB/s (copy {med(copies):.1f})")
+        print("| side | median ms | tokens/s | vs transformers (its fastest setting per round) |")
+        print("|---|---:|---:|---:|")
+        settings = [f"torch_{d}_{t}" for d in TORCH_DTYPES for t in THREADS]
+        best_torch = [min(times) for times in zip(*(row[k] for k in settings), strict=True)]
+        names = (
+            ("dew_pipe generate, float32", "float32"),
+            (f"dew_pipe generate, served {runs['served']}", "served"),
+            (f"dew_pipe Server, served {runs['served']}", "server"),
+            *(
+                (f"transformers, {d}, {t} threads", f"torch_{d}_{t}")
+                for d in TORCH_DTYPES
+                for t in THREADS
+            ),
+        )
+        for label, key in names:
+            seconds = med(row[key])
+            ratios = [t / s for s, t in zip(row[key], best_torch, strict=True)]
+            print(
+                f"| {label} | {seconds * 1e3:.1f} | {tokens / seconds:.0f} | "
+                f"{med(best_torch) / seconds:.2f}x (per round {med(ratios):.2f}x, "
+                f"{min(ratios):.2f}-{max(ratios):.2f}) |"
+            )
+        decode = [t - p for t, p in zip(row["served"], row["prefill"], strict=True)]
+        step_s = med(decode) / (args.new - 1)
+        floor = row["bytes"] / (med(reads) * 1e9)
+        print(
+            f"roofline (served): {row['bytes'] / 2**20:.1f} MiB read per decode step, "
+            f"{floor * 1e3:.3f} ms at {med(reads):.1f} GB/s; measured {step_s * 1e3:.3f} ms "
+            f"per step (prefill {med(row['prefill']) * 1e3:.1f} ms): {floor / step_s:.0%}"
+        )
+        same = lambda a, b, row=row: f"{(row[a] == row[b]).mean():.1%}"  # noqa: E731
+        print(
+            "same greedy ids: float32 vs transformers float32 "
+            f"{same('float32_ids', 'torch_float32_ids')}; served vs transformers bfloat16 "
+            f"{same('served_ids', 'torch_bfloat16_ids')}; served vs float32 "
+            f"{same('served_ids', 'float32_ids')}; Server vs generate (served) "
+            f"{same('server_ids', 'served_ids')}"
+        )
+        print(f"first call (compile): {', '.join(f'{k} {v:.1f} s' for k, v in row['compile_s'].items())}")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--served-dtype", default="auto", help="auto, float32 or bfloat16")
+    parser.add_argument("--steps-per-call", type=int, default=16, help="the Server's")
+    parser.add_argument("--bandwidth-mb", type=int, default=512, help="array size, MiB")
     add_reference_argument(parser)
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (0: torch's default); see the module docstring",
-    )
     parser.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_worker:
-        torch_worker(args.torch_worker, args.torch_threads)
+        torch_worker(args.torch_worker)
         return
+    args.batches = [int(b) for b in args.batches.split(",") if b]
     report(args, measure(args, reference_python(args.reference_python)))
 
 
