@@ -109,3 +109,15 @@ def test_launched_worker_failures_are_bounded(tmp_path):
         with pytest.raises(EOFError):
             launched.receive_line(timeout=5, limit=1000)
         assert launched.wait()["exit"] == 0
+
+
+def test_an_owned_directory_stays_while_the_launcher_lives(tmp_path):
+    """owns_cwd hands the directory over only for the launcher's death (test_sandbox kills
+    one); a stop or an exit with the launcher alive leaves it to the caller."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "worker.py").write_text(JSON_WORKER)
+    with Launched([PY, "worker.py"], cwd=str(work), limits=SandboxLimits(), owns_cwd=True) as w:
+        assert _ask(w, {"n": 2})["twice"] == 4
+    assert w.wait()["stopped"] is True
+    assert (work / "worker.py").is_file()

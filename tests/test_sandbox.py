@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -141,7 +142,8 @@ def test_the_memory_limit_names_itself(tmp_path):
 
 
 def test_the_parent_dying_kills_the_worker(tmp_path):
-    """A trainer killed with SIGKILL leaves no worker behind (the supervisor sweeps)."""
+    """A trainer killed with SIGKILL leaves no worker and no working directory behind (the
+    supervisor sweeps, then removes the directory it was handed)."""
     code = f"""
 import sys, time
 sys.path[:0] = [{str(ROOT / "tests")!r}]
@@ -149,16 +151,18 @@ from pathlib import Path
 from episode_helpers import square_environment
 from dew_pipe.objectives.rl import EpisodeId
 env = square_environment(Path({str(tmp_path)!r}))(EpisodeId(0, 0, 0, 0)).__enter__()
-print(env.reset().detail, env._launched.pid, flush=True)
+print(env.reset().detail, env._launched.pid, env.directory, flush=True)
 time.sleep(60)
 """
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        worker, supervisor = map(int, parent.stdout.readline().split())
-        assert alive(worker) and alive(supervisor)
+        worker, supervisor, directory = parent.stdout.readline().split()
+        worker, supervisor = int(worker), int(supervisor)
+        assert alive(worker) and alive(supervisor) and os.path.isdir(directory)
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
         assert wait_until(lambda: not alive(worker) and not alive(supervisor), 10)
+        assert not os.path.exists(directory)
     finally:
         parent.kill()
         parent.wait()

@@ -24,7 +24,9 @@ in ``marshal`` form, hex-encoded, as ``json`` would cost an import of ``re``). I
    SIGKILL)``, atomic against concurrent forks), then, round after round, the program's
    process group and every process of the tree below the supervisor, reaping until it has
    no child left — so nothing of the program outlives the supervisor;
-5. writes a last line to the status descriptor, the ``repr`` of a dict (exit code or
+5. when the launcher died and the working directory was handed over (``owns_cwd``), removes
+   it, as nobody else is left to;
+6. writes a last line to the status descriptor, the ``repr`` of a dict (exit code or
    signal, CPU seconds, whether it was stopped, a setup error; the first line,
    ``started PID``, named the program's pid) and exits.
 
@@ -259,6 +261,10 @@ def main(argv):
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
         _sweep(config["uid"], child)
+    if config["owns_cwd"] and os.getppid() != parent:  # the launcher is gone
+        import shutil  # only now: every program's start would pay for the import
+
+        shutil.rmtree(config["cwd"], ignore_errors=True)
     os.write(status_fd, f"{report!r}\n".encode())
     os.close(status_fd)
 

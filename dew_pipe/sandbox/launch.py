@@ -163,6 +163,9 @@ class Launched:
         output cap are the caller's: `run` applies them).
       env: its whole environment; default `minimal_environment(cwd)`.
       uid: run as this uid and gid (root only; see `lease_uid`), or None for the caller's.
+      owns_cwd: ``cwd`` is this program's alone: should the launching process die first (a
+        SIGKILLed trainer), the supervisor removes it after its sweep. Otherwise removing it
+        is the caller's business.
 
     Attributes:
       stdin, stdout, stderr: binary pipes to the program.
@@ -180,6 +183,7 @@ class Launched:
         limits: SandboxLimits,
         env: Mapping[str, str] | None = None,
         uid: int | None = None,
+        owns_cwd: bool = False,
     ) -> None:
         status_r, status_w = os.pipe()
         config = {
@@ -193,6 +197,7 @@ class Launched:
             "gid": uid,
             "parent": os.getpid(),
             "status_fd": status_w,
+            "owns_cwd": bool(owns_cwd),
         }
         try:
             self._process = subprocess.Popen(

@@ -189,7 +189,7 @@ class SubprocessSession:
         env = {**minimal_environment(self.directory), **self.factory.env}
         try:
             self._launched = Launched(
-                self.factory.command, cwd=self.directory, limits=limits, env=env
+                self.factory.command, cwd=self.directory, limits=limits, env=env, owns_cwd=True
             )
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
