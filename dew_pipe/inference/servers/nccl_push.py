@@ -164,7 +164,7 @@ class NCCLPush:
         TypeError / ValueError: a bad argument, or a device that is not a GPU.
 
     Example:
-        >>> push = NCCLPush(pretrained, ["http://10.0.0.2:8000"], "/venv/.../libnccl.so.2")  # doctest: +SKIP
+        >>> push = NCCLPush(pretrained, ["http://10.0.0.2:8000"], "vllm-env/lib/libnccl.so.2")  # doctest: +SKIP
         >>> weights = Publication(push)  # doctest: +SKIP
     """
 
