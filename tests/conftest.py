@@ -6,6 +6,27 @@ from pathlib import Path
 
 import pytest
 
+# Files that share the session's vLLM engine (the `vllm_engine` fixture below) run on one
+# pytest-xdist worker, so the suite starts one engine, not one per worker.
+VLLM_FILES = frozenset(
+    {
+        "test_engine_push.py",
+        "test_gateway.py",
+        "test_grpo_vllm_pipeline.py",
+        "test_harbor.py",
+        "test_vllm_engine.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (the README's test command), keep each file on one
+    worker, so its module fixtures and compiles are built once, and the vLLM files together.
+    Without xdist the marks are inert."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("vllm" if name in VLLM_FILES else name))
+
 
 @pytest.fixture(scope="session")
 def story_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
