@@ -78,6 +78,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=8, help="completions per problem")
     parser.add_argument("--warmup", type=int, default=10, help="linear warm-up updates")
     parser.add_argument("--pool", type=int, default=64_000, help="distinct training problems")
+    parser.add_argument("--slots", type=int, default=128, help="dew_pipe server rows")
     parser.add_argument("--dew-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--trl-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "grpo-time-to-accuracy")
@@ -216,6 +217,7 @@ def dew_worker(args: argparse.Namespace) -> dict:
         grpo_steps=UPDATE_CAP,
         grpo_eval_every=UPDATE_CAP,
         sample_probe=0,
+        slots=args.slots,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -370,7 +372,8 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
     python = sys.executable if side == "dew_pipe" else args.reference_python
     flag = "--dew-worker" if side == "dew_pipe" else "--trl-worker"
     command = [python, __file__, flag, "--lr", repr(lr), "--out", str(out)]
-    for name in ("budget", "snapshot_every", "seed", "prompts", "groups", "warmup", "pool", "work"):
+    names = ("budget", "snapshot_every", "seed", "prompts", "groups", "warmup", "pool", "work", "slots")
+    for name in names:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
     load = os.getloadavg()[0]

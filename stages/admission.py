@@ -420,7 +420,10 @@ class Admission:
         batch = self._batches[group.batch]
         sessions = [k.session for k in group.kept]
         lengths = chain_lengths(sessions, self.width, self.truncation)
-        alone = rows_needed(lengths, self.width)
+        # Every chain fits a row of its own, so k chains never need more than k rows: below
+        # that count the placement cannot refuse, and is not run (it costs a Python loop
+        # over the batch's chains for every group that completes).
+        alone = lengths.size if lengths.size <= self.rows else rows_needed(lengths, self.width)
         if alone > self.rows:
             raise ValueError(
                 f"rows={self.rows}: the {len(sessions)} sessions of task {group.task} (group "
@@ -429,7 +432,7 @@ class Admission:
             )
         before = [g.lengths for g in batch.admitted]
         union = np.concatenate([*before, lengths]) if before else lengths
-        if rows_needed(union, self.width) <= self.rows:
+        if union.size <= self.rows or rows_needed(union, self.width) <= self.rows:
             group.state = "admitted"
             group.lengths = lengths
             batch.admitted.append(group)

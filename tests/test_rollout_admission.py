@@ -189,6 +189,35 @@ def test_a_group_whose_chains_cannot_fit_the_rows_on_its_own_raises():
         a.finished(session(1, 0, 1, n=10), stamps())
 
 
+def test_placement_runs_only_when_a_batch_has_more_chains_than_rows(monkeypatch):
+    """k chains always fit k rows, so below that count admission skips first-fit (a Python
+    loop over the batch per completed group); above it, the placement decides as before."""
+    import dew_pipe.stages.admission as module
+
+    calls = []
+
+    def counted(lengths, width):
+        calls.append(len(lengths))
+        return module.rows_needed.__wrapped__(lengths, width)
+
+    counted.__wrapped__ = module.rows_needed
+    monkeypatch.setattr(module, "rows_needed", counted)
+    a = admission(rows=4, groups=2)  # two groups of two one-chain sessions: 4 chains, 4 rows
+    a.plan(Plan(0, (0, 1), (1, 2), 2, 0))
+    for group, task in ((0, 1), (1, 2)):
+        for sample in range(2):
+            a.finished(session(task, group, sample, n=3), stamps())
+    [(_, record)] = a.ready(paced=False)
+    assert record.admitted_groups == 2 and calls == []
+    b = admission(rows=1, groups=2)  # the cut case above: 2 then 4 chains for one row
+    b.plan(Plan(0, (0, 1), (1, 2), 2, 0))
+    for group, task in ((0, 1), (1, 2)):
+        for sample in range(2):
+            b.finished(session(task, group, sample, n=3), stamps())
+    [(_, record)] = b.ready(paced=False)
+    assert (record.admitted_groups, record.cut_groups) == (1, 1) and calls == [2, 2, 2, 4]
+
+
 def test_completed_without_reward_raises_naming_the_session():
     a = admission()
     a.plan(Plan(0, (0,), (1,), 2, 0))
