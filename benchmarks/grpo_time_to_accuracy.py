@@ -372,7 +372,17 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
     python = sys.executable if side == "dew_pipe" else args.reference_python
     flag = "--dew-worker" if side == "dew_pipe" else "--trl-worker"
     command = [python, __file__, flag, "--lr", repr(lr), "--out", str(out)]
-    names = ("budget", "snapshot_every", "seed", "prompts", "groups", "warmup", "pool", "work", "slots")
+    names = (
+        "budget",
+        "snapshot_every",
+        "seed",
+        "prompts",
+        "groups",
+        "warmup",
+        "pool",
+        "work",
+        "slots",
+    )
     for name in names:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
