@@ -74,6 +74,10 @@ def pipeline(
     sft_steps: int = 1500,  # SFT updates (batches of 32 rows of 64 ids, ~170 problems each);
     #   past the sudden jump of every seed tried (see the module docstring)
     sft_learning_rate: float = 5e-3,  # peak AdamW learning rate of SFT
+    sft_until: float | None = None,  # stop SFT at the first check (every `sft_check_every`
+    #   steps) whose greedy exact match on `test_size` *training* problems reaches this
+    #   share, leaving the rest to GRPO; None: all `sft_steps`
+    sft_check_every: int = 25,  # SFT steps between those checks
     eval_every: int = 100,  # SFT steps between held-out probes
     # --- GRPO
     grpo_steps: int = 1000,  # GRPO updates
@@ -113,6 +117,9 @@ def pipeline(
     """
     settings = types.SimpleNamespace(**locals())  # first: the parameters, written once above
     check_int("sft_steps", sft_steps, minimum=2)  # the SFT warm-up needs a step after it
+    check_int("sft_check_every", sft_check_every, minimum=1)
+    if sft_until is not None:
+        check_float("sft_until", sft_until, above=0.0, maximum=1.0)
     for name in ("eval_every", "grpo_steps", "slots", "grpo_eval_every"):
         check_int(name, getattr(settings, name), minimum=1)
     check_int("sample_probe", sample_probe, minimum=0, maximum=10**6)
@@ -209,11 +216,14 @@ class ArithmeticJob:
             f"{s.groups} completions; held-out test: {s.test_size} problems"
         )
         task.tokenizer().save_pretrained(context.run_dir / "tokenizer")
-        model, params = self._sft()
+        model, params, sft_done = self._sft()
         sft_s = time.monotonic() - start
-        probe = self._probe("sft", s.sft_steps, model, params, sampled=True)
+        probe = self._probe("sft", sft_done, model, params, sampled=True)
         before = probe["held_out"]
-        context.print(f"SFT done in {sft_s:.0f} s: held-out exact match {before:.1%}; now GRPO")
+        context.print(
+            f"SFT done in {sft_s:.0f} s after {sft_done} steps: held-out exact match "
+            f"{before:.1%}; now GRPO"
+        )
         grpo_start = time.monotonic()
         context.log(step=0, phase="grpo", **probe)  # GRPO's update 0 is SFT's end
         params = self.grpo(context, model, params)
@@ -267,8 +277,8 @@ class ArithmeticJob:
         if self.context.cancelled:
             raise Cancelled("the arithmetic job was cancelled")
 
-    def _sft(self) -> tuple[Any, Any]:
-        """SFT from scratch: ``(model, trained variables)``."""
+    def _sft(self) -> tuple[Any, Any, int]:
+        """SFT from scratch: ``(model, trained variables, steps run)``."""
         s = self.settings
         recipe = SFTRecipe(
             steps=s.sft_steps,
@@ -297,8 +307,11 @@ class ArithmeticJob:
             progress=False,
             rollout=probe,
             log_every=max(1, min(50, s.sft_steps // 4)),
+            until=s.sft_until,
+            check_every=s.sft_check_every,
+            check_split="train",
         )
-        return model, state.params
+        return model, state.params, int(state.step)
 
     def grpo(
         self,

@@ -115,6 +115,8 @@ def test_the_plot_is_a_png_of_the_expected_size(smoke):
         ("max_lag=0", "max_lag is 0 with ahead=1"),
         ("digits=three", "digits"),
         ("learning_rate=0", "learning_rate is 0.0; expected a finite float > 0"),
+        ("sft_until=1.5", "sft_until is 1.5"),
+        ("sft_check_every=0", "sft_check_every is 0"),
     ],
 )
 def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path, setting, message):

@@ -444,7 +444,8 @@ def test_sft_learns_two_digit_addition_held_out():
 
 
 @pytest.mark.slow
-def test_sft_until_stops_at_the_first_check_past_the_share():
+@pytest.mark.parametrize("split", ["test", "train"])
+def test_sft_until_stops_at_the_first_check_past_the_share(split):
     from dew_pipe.tasks.recipe import SFTRecipe, train_sft
 
     task = ArithmeticTask(seed=0, digits=2, test_size=200)
@@ -455,14 +456,15 @@ def test_sft_until_stops_at_the_first_check_past_the_share():
     def probe(state, batch, key):  # sees the state after every step, before the next
         step = int(state.step)
         if step and step % 20 == 0:
-            checks[step] = task.evaluate(model, state.params)
+            checks[step] = task.evaluate(model, state.params, split, task.test_size)
         return batch
 
     _, state = train_sft(
-        task, recipe, key=jax.random.key(0), rollout=probe, until=0.5, check_every=20
-    )
+        task, recipe, key=jax.random.key(0), rollout=probe, until=0.5, check_every=20,
+        check_split=split,
+    )  # fmt: skip
     stop = int(state.step)
-    final = task.evaluate(model, state.params)
+    final = task.evaluate(model, state.params, split, task.test_size)
     assert stop % 20 == 0 and stop < recipe.steps and final >= 0.5
     assert all(checks[k] < 0.5 for k in range(20, stop, 20))  # no earlier check passed
 
@@ -473,6 +475,7 @@ def test_sft_until_stops_at_the_first_check_past_the_share():
         ({"until": 0.0}, "until is 0.0"),
         ({"until": 1.5}, "until is 1.5"),
         ({"until": 0.5, "check_every": 0}, "check_every is 0"),
+        ({"until": 0.5, "check_split": "val"}, "check_split is 'val'; expected 'test' or 'train'"),
     ],
 )
 def test_sft_until_refuses_bad_settings(options, match):

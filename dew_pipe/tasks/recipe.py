@@ -124,6 +124,7 @@ def train_sft(
     log_every: int | None = None,
     until: float | None = None,
     check_every: int = 10,
+    check_split: str = "test",
 ) -> tuple[Any, TrainState]:
     """Supervised fine-tuning of a fresh decoder on ``task`` with ``recipe``.
 
@@ -143,12 +144,16 @@ def train_sft(
             sudden jump whose step moves with the seed and the machine's numerics, so a
             fixed step count lands anywhere from 0% to 99%.
         check_every: steps between those checks (each evaluates every test problem).
+        check_split: the split those checks read: ``"test"`` (the held-out problems) or
+            ``"train"`` (the first ``task.test_size`` training problems, so that a run
+            which later reports held-out accuracy did not also stop on it).
 
     Returns:
         ``(model, state)``; ``state.params`` is the fine-tuned ``{"params": ...}``.
 
     Raises:
-        ValueError: ``until`` outside (0, 1], or ``check_every`` below 1.
+        ValueError: ``until`` outside (0, 1], ``check_every`` below 1, or an unknown
+            ``check_split``.
 
     Example:
         >>> model, state = train_sft(ArithmeticTask(digits=2), SFTRecipe(steps=300, warmup=30),
@@ -159,6 +164,8 @@ def train_sft(
     if until is not None:
         check_float("until", until, above=0.0, maximum=1.0)
         check_every = check_int("check_every", check_every, minimum=1)
+        if check_split not in ("test", "train"):
+            raise ValueError(f"check_split is {check_split!r}; expected 'test' or 'train'")
     model = recipe.model(task)
     trainer = Trainer(
         recipe.objective(model),
@@ -176,6 +183,6 @@ def train_sft(
     state = None
     for stop in (*range(check_every, recipe.steps, check_every), recipe.steps):
         state = trainer.fit(data, steps=stop, log_every=log_every, state=state)
-        if task.evaluate(model, state.params) >= until:
+        if task.evaluate(model, state.params, check_split, task.test_size) >= until:
             break
     return model, state
