@@ -476,6 +476,7 @@ def test_sft_until_stops_at_the_first_check_past_the_share(split):
         ({"until": 1.5}, "until is 1.5"),
         ({"until": 0.5, "check_every": 0}, "check_every is 0"),
         ({"until": 0.5, "check_split": "val"}, "check_split is 'val'; expected 'test' or 'train'"),
+        ({"check_split": "val"}, "check_split is 'val'; expected 'test' or 'train'"),
     ],
 )
 def test_sft_until_refuses_bad_settings(options, match):

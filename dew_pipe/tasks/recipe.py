@@ -161,11 +161,11 @@ def train_sft(
         >>> task.evaluate(model, state.params)  # doctest: +SKIP
     """
     recipe = SFTRecipe() if recipe is None else recipe
+    if check_split not in ("test", "train"):
+        raise ValueError(f"check_split is {check_split!r}; expected 'test' or 'train'")
     if until is not None:
         check_float("until", until, above=0.0, maximum=1.0)
         check_every = check_int("check_every", check_every, minimum=1)
-        if check_split not in ("test", "train"):
-            raise ValueError(f"check_split is {check_split!r}; expected 'test' or 'train'")
     model = recipe.model(task)
     trainer = Trainer(
         recipe.objective(model),
