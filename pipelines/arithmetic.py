@@ -7,8 +7,10 @@ character tokenizer and the decoder are made from the seed
 (:class:`~dew_pipe.tasks.ArithmeticTask`). The job
 
 1. saves the task's tokenizer in the run directory under ``tokenizer/``;
-2. runs supervised fine-tuning (:func:`~dew_pipe.tasks.recipe.train_sft`) for
-   ``sft_steps``, probing held-out greedy exact match and the sampled reward as it goes;
+2. runs supervised fine-tuning (:func:`~dew_pipe.tasks.recipe.train_sft`) until greedy
+   exact match on ``test_size`` *training* problems, checked every ``sft_check_every``
+   steps, reaches ``sft_until`` (at most ``sft_steps``), probing held-out greedy exact
+   match and the sampled reward as it goes;
 3. evaluates held-out exact match on the whole test split: the "before GRPO" figure;
 4. runs asynchronous GRPO through the stages of :func:`dew_pipe.stages.build_graph`
    (task batches → rollout on a ``NativeRolloutServer`` via ``PromptSource``, which scores
@@ -25,13 +27,14 @@ settings are the parameters of :func:`pipeline` below, each documented beside it
 Why GRPO starts where it does: GRPO sharpens the distribution the model already samples
 from. A group of ``groups`` completions whose rewards are all equal has zero advantage and
 teaches nothing, so GRPO only has signal where the model sometimes, but not always, gets a
-problem right. SFT on this task learns in a sudden jump (carrying), whose step varies with
-the seed; a model stopped before it (seed 2 after 900 SFT steps: 36% held out) samples too
-few right answers for GRPO to climb from, and 1000 GRPO updates left it there. The default
-SFT budget (1500 steps) is past the jump on every seed tried (0 to 4: 98.3-100% held out);
-GRPO then trains on the problems the model still gets wrong in some samples, turning pass@G
-into greedy accuracy. ``benchmarks/RESULTS.md`` records what each phase contributed and how
-long the default takes.
+problem right. SFT on this task learns carrying in a jump whose step varies with the seed
+(475 steps on seed 2, 1250 on seed 0). Stopped before it, the model almost never samples
+a right answer to a problem with two or more carries, and GRPO stalls (seed 2 from 58%
+held out: 76% after 1000 updates; from 36%: no change). Stopped just after it, most groups
+are mixed and GRPO has work to do: the default hands over at 90% of training problems
+solved, and GRPO takes held-out exact match the rest of the way (seed 2: 86.4% -> 97.4% in
+the first 53 updates, 99.8% after 600). ``benchmarks/RESULTS.md``
+records what each phase contributed on seeds 0-4 and how long the default takes.
 """
 
 from __future__ import annotations
@@ -71,16 +74,16 @@ def pipeline(
     digits: int = 3,  # the most digits an operand has (1 to 9)
     operations: str = "+",  # operations drawn from ("+", "+-"...)
     # --- SFT (the SFTRecipe defaults otherwise)
-    sft_steps: int = 1500,  # SFT updates (batches of 32 rows of 64 ids, ~170 problems each);
-    #   past the sudden jump of every seed tried (see the module docstring)
+    sft_steps: int = 1500,  # the most SFT updates (batches of 32 rows of 64 ids, ~170
+    #   problems each); past the jump of every seed tried (see the module docstring)
     sft_learning_rate: float = 5e-3,  # peak AdamW learning rate of SFT
-    sft_until: float | None = None,  # stop SFT at the first check (every `sft_check_every`
+    sft_until: float | None = 0.9,  # stop SFT at the first check (every `sft_check_every`
     #   steps) whose greedy exact match on `test_size` *training* problems reaches this
-    #   share, leaving the rest to GRPO; None: all `sft_steps`
+    #   share, leaving the rest to GRPO (see the module docstring); None: all `sft_steps`
     sft_check_every: int = 25,  # SFT steps between those checks
     eval_every: int = 100,  # SFT steps between held-out probes
     # --- GRPO
-    grpo_steps: int = 1000,  # GRPO updates
+    grpo_steps: int = 600,  # GRPO updates
     prompts: int = 32,  # problems per GRPO batch
     groups: int = 8,  # completions sampled per problem (G); advantages compare them
     learning_rate: float = 2e-4,  # peak AdamW learning rate of GRPO (a fresh optimizer)

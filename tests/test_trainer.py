@@ -86,6 +86,51 @@ def test_fit_starts_from_initial_state_and_continues_a_given_state():
     assert int(again.step) == 5
 
 
+class _CountedBatches:
+    """BATCHES cycled, counting every batch made (resumable by its index)."""
+
+    def __init__(self, made: list[int]) -> None:
+        self.made, self.next_batch = made, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.made.append(self.next_batch)
+        self.next_batch += 1
+        return BATCHES[(self.next_batch - 1) % len(BATCHES)]
+
+    def get_state(self):
+        return {"next_batch": self.next_batch}
+
+    def set_state(self, state):
+        self.next_batch = state["next_batch"]
+
+
+def test_fit_continuing_its_own_state_resumes_the_data_without_replaying_it():
+    made: list[int] = []
+    rows = len(next(iter(BATCHES[0].values())))
+    data = Dataset(train=lambda partition: _CountedBatches(made), batch=rows)
+    direct = Trainer(MaskedRegression(), optax.adam(1e-2), key=KEY).fit(data, steps=9)
+    made.clear()
+    trainer = Trainer(MaskedRegression(), optax.adam(1e-2), key=KEY)
+    state = None
+    for stop in (3, 6, 9):  # as train_sft's checks continue the state every few steps
+        state = trainer.fit(data, steps=stop, log_every=100, state=state)
+    assert_trees_equal(host(state.params), host(direct.params))
+    # Each fit reads on from where the last one stopped; only the batch it read ahead
+    # when it stopped is read again. A replay from the step count reads 0.. again.
+    assert made == [0, 1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9], made
+    # Another dataset at the same step has no position to resume: it replays, still exact.
+    replayed: list[int] = []
+    other = Dataset(train=lambda partition: _CountedBatches(replayed), batch=rows)
+    fresh = Trainer(MaskedRegression(), optax.adam(1e-2), key=KEY)
+    first = fresh.fit(data, steps=3)
+    resumed = fresh.fit(other, steps=9, state=first)
+    assert replayed[:3] == [0, 1, 2]  # the three consumed batches, read and dropped
+    assert_trees_equal(host(resumed.params), host(direct.params))
+
+
 # ------------------------------------------------------------------------- EMA
 
 

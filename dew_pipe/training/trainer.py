@@ -14,6 +14,7 @@ checkpoints); ``train_step`` runs one update for callers that drive the steps th
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -172,6 +173,10 @@ class Trainer:
         # donates the state it is given.
         self._step = jax.jit(update, donate_argnums=0, out_shardings=self.replicated)
         self._evaluate = jax.jit(objective.evaluate, out_shardings=self.replicated)
+        # Where the last fit left its data: (dataset, step, stream position). A fit that
+        # continues that state on that dataset resumes there instead of replaying every
+        # batch consumed so far (what a bare step count allows).
+        self._left_off: tuple[Dataset, int, dict[str, Any]] | None = None
 
     # ----------------------------------------------------------------- state
 
@@ -293,6 +298,23 @@ class Trainer:
             raise ValueError("Dataset.val yielded no batches; expected at least one")
         return {name: float(value) for name, value in self.objective.summarize(totals).items()}
 
+    def _resume_position(self, data: Dataset, step: int) -> dict[str, Any]:
+        """The data position for a fit of ``data`` from a state at ``step``: where the
+        last fit stopped when it stopped there on the same dataset, else the step count
+        (the stream then replays that many batches, or seeks if it can)."""
+        left = self._left_off
+        if left is not None and left[0] is data and left[1] == step:
+            return copy.deepcopy(left[2])
+        return {"consumed": step}
+
+    def _remember_position(self, data: Dataset, run: FitLoop) -> None:
+        if run.stream is None:  # the state was already at ``steps``: nothing was read
+            return
+        try:
+            self._left_off = (data, run.step, copy.deepcopy(run.stream.position()))
+        except TypeError:  # an iterator state that is not JSON: resume by replay
+            self._left_off = None
+
     # ----------------------------------------------------------------- fit
 
     def fit(
@@ -347,9 +369,11 @@ class Trainer:
                 state, meta = self._restore(checkpoints)
             elif state is None:
                 state = self.initial_state()
-            position = meta.get("data") or {"consumed": int(state.step)}
+            position = meta.get("data") or self._resume_position(data, int(state.step))
             run = FitLoop(self, data, partition, rows, state, position, meta, checkpoints)
-            return run.loop(steps, log_every, eval_every, eval_batches)
+            state = run.loop(steps, log_every, eval_every, eval_batches)
+            self._remember_position(data, run)
+            return state
         finally:
             if run is not None:
                 run.close()
