@@ -33,8 +33,8 @@ a right answer to a problem with two or more carries, and GRPO stalls (seed 2 fr
 held out: 76% after 1000 updates; from 36%: no change). Stopped just after it, most groups
 are mixed and GRPO has work to do: the default hands over at 90% of training problems
 solved, and GRPO takes held-out exact match the rest of the way (seed 2: 86.4% -> 97.4% in
-the first 53 updates, 99.8% after 600). ``benchmarks/RESULTS.md``
-records what each phase contributed on seeds 0-4 and how long the default takes.
+the first 53 updates, 99.8% after 600). ``benchmarks/RESULTS.md`` records what each phase
+contributed on seeds 0-4 and how long the default takes.
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ class Trainer:
     def _resume_position(self, data: Dataset, step: int) -> dict[str, Any]:
         """The data position for a fit of ``data`` from a state at ``step``: where the
         last fit stopped when it stopped there on the same dataset, else the step count
-        (the stream then replays that many batches, or seeks if it can)."""
+        (the stream then reads and drops that many batches)."""
         left = self._left_off
         if left is not None and left[0] is data and left[1] == step:
             return copy.deepcopy(left[2])
@@ -311,7 +311,7 @@ class Trainer:
         if run.stream is None:  # the state was already at ``steps``: nothing was read
             return
         try:
-            self._left_off = (data, run.step, copy.deepcopy(run.stream.position()))
+            self._left_off = (data, run.step, run.stream.position())  # a fresh dict
         except TypeError:  # an iterator state that is not JSON: resume by replay
             self._left_off = None
 
