@@ -17,7 +17,9 @@ these rows (``to_arrow``, ``from_arrow``, ``task_row``).
 It also holds the column helpers every Arrow batch of dew_pipe is built with:
 :func:`list_array` and :func:`lists_to_numpy` (variable-length list columns from and to
 per-row NumPy arrays, in one concatenation / as views), :func:`fixed_list_type`,
-:func:`numpy_dtype`, :func:`routing_spec` and :func:`shape_text`.
+:func:`numpy_dtype`, :func:`routing_spec`, :func:`shape_text`,
+:func:`assemble_sessions` (already-checked session rows as a batch) and
+:func:`check_sessions_batch` (a batch's schema, before a columnar read).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import pyarrow as pa
 __all__ = [
     "SESSION_STATUSES",
     "TASKS_SCHEMA",
+    "assemble_sessions",
+    "check_sessions_batch",
     "fixed_list_type",
     "list_array",
     "lists_to_numpy",
@@ -473,8 +477,33 @@ def sessions_to_arrow(
         if first is not None and first.ndim == 3:
             routed_experts = (first.shape[1], first.shape[2], first.dtype)
     routing = None if routed_experts is None else routing_spec(routed_experts)
-    sessions = [_check_session(row, i, routing) for i, row in enumerate(rows)]
-    schema = sessions_schema(routed_experts=routed_experts)
+    return assemble_sessions(
+        [_check_session(row, i, routing) for i, row in enumerate(rows)], routing
+    )
+
+
+def assemble_sessions(
+    sessions: Sequence[Mapping[str, Any]], routing: tuple[int, int, np.dtype] | None
+) -> pa.RecordBatch:
+    """Checked session rows as a record batch of :func:`sessions_schema`, without checks.
+
+    The assembly half of :func:`sessions_to_arrow`, for rows whose every field already
+    holds what that function's checks would return: ``status`` a name, ``reward`` a finite
+    float or None, ``components`` str -> float, and per call int32 id arrays, float32
+    likelihood arrays of one entry per sampled id, ``support`` None or a list of int32
+    arrays, ``routed_experts`` None or an array of ``routing``'s ``[n, layers, top_k]`` and
+    dtype. ``dew_pipe.objectives.rl.session_arrow.to_arrow`` writes Session records (which
+    checked all that when they were made) through it.
+
+    Args:
+      sessions: the rows.
+      routing: ``(layers, top_k, dtype)`` (as :func:`routing_spec` returns it) when calls
+        record routing, else None.
+
+    Raises:
+      pyarrow.ArrowInvalid: an int beyond its column's type (a group beyond int32).
+    """
+    schema = sessions_schema(routed_experts=routing)
     arrays = [pa.array([s[k] for s in sessions], t) for k, t in _SESSION_SCALARS.items()]
     arrays.append(pa.array([s["status"] for s in sessions], pa.string()))
     arrays.append(pa.array([s["reward"] for s in sessions], pa.float64()))
@@ -529,6 +558,26 @@ def _per_call(struct: pa.StructArray, routing) -> dict[str, list]:
     return out
 
 
+def check_sessions_batch(batch: pa.RecordBatch) -> tuple[int, int, np.dtype] | None:
+    """Checks that ``batch`` is a sessions batch; returns its routing ``(layers, top_k, dtype)``.
+
+    Only the schema is checked (the columns, their types), not the values.
+
+    Raises:
+      TypeError: not a record batch.
+      ValueError: a missing, mistyped or unknown column, naming it.
+
+    Example:
+      >>> check_sessions_batch(sessions_to_arrow([])) is None
+      True
+    """
+    if not isinstance(batch, pa.RecordBatch):
+        raise TypeError(f"sessions: got a {type(batch).__name__}, expected a pyarrow.RecordBatch")
+    routing = _routing_of(batch.schema)
+    _require_schema(batch, sessions_schema(routed_experts=routing), "sessions")
+    return routing
+
+
 def sessions_from_arrow(batch: pa.RecordBatch) -> list[dict[str, Any]]:
     """Rows of a sessions batch as dicts; per-call arrays are read-only numpy views.
 
@@ -543,10 +592,7 @@ def sessions_from_arrow(batch: pa.RecordBatch) -> list[dict[str, Any]]:
       >>> sessions_from_arrow(sessions_to_arrow([]))
       []
     """
-    if not isinstance(batch, pa.RecordBatch):
-        raise TypeError(f"sessions: got a {type(batch).__name__}, expected a pyarrow.RecordBatch")
-    routing = _routing_of(batch.schema)
-    _require_schema(batch, sessions_schema(routed_experts=routing), "sessions")
+    routing = check_sessions_batch(batch)
     keys = (*_SESSION_SCALARS, "status", "reward", "detail", "components")
     scalars = {k: batch.column(k).to_pylist() for k in keys}
     calls = batch.column("calls")

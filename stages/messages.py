@@ -112,10 +112,19 @@ def stamp_sessions(sessions: Sequence[Session], stamps: Sequence[Stamps]) -> pa.
     if len(sessions) != len(stamps):
         raise ValueError(f"stamps: {len(stamps)} for {len(sessions)} sessions, expected one each")
     rb = to_arrow(list(sessions))
-    tasks = tasks_to_arrow(
-        task_row(st.task) if st.task is not None else {"task_id": session.task}
-        for session, st in zip(sessions, stamps, strict=True)
-    )
+    # The samples of a group share their Task: each distinct task is written once, then
+    # repeated by index (a batch of G samples per task writes 1/G of the rows).
+    rows: list[dict[str, Any]] = []
+    first: dict[Any, int] = {}
+    index = []
+    for session, st in zip(sessions, stamps, strict=True):
+        key = ("task", id(st.task)) if st.task is not None else ("id", session.task)
+        at = first.get(key)
+        if at is None:
+            at = first[key] = len(rows)
+            rows.append(task_row(st.task) if st.task is not None else {"task_id": session.task})
+        index.append(at)
+    tasks = tasks_to_arrow(rows).take(pa.array(index, pa.int32()))
     columns = {
         "batch": pa.array([s.batch for s in stamps], pa.int64()),
         "submitted_version": pa.array([s.submitted_version for s in stamps], pa.int32()),

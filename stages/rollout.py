@@ -30,6 +30,7 @@ are dropped and counted (``Journal.counts["unmatched"]``).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import itertools
@@ -75,6 +76,7 @@ class _Live:
     version: int
     submitted_at: float
     finished_at: float | None = None
+    seq: int = 0  # submission order, which each emitted batch keeps
 
     @property
     def ticket(self) -> tuple[int, int, int]:
@@ -202,6 +204,8 @@ class Rollout(Stage):
 
     def open(self) -> None:
         self._live: dict[tuple[int, int, int], _Live] = {}
+        # Tickets of finished futures, in finishing order (some no longer live: cancelled).
+        self._finished: collections.deque[tuple[int, int, int]] = collections.deque()
         self._tasks: dict[int, Task] = {}  # group -> task, until its batch is released
         self._batch_groups: dict[int, list[int]] = {}
         self._next_batch = 0
@@ -328,9 +332,11 @@ class Rollout(Stage):
                 "expected a concurrent.futures.Future of a Session"
             )
         live = _Live(future, task, batch, group, sample, attempt, version, time.monotonic())
+        live.seq = self.submitted
 
         def finished(_: cf.Future, live: _Live = live) -> None:
             live.finished_at = time.monotonic()
+            self._finished.append(live.ticket)  # deque.append: safe from the source's thread
 
         future.add_done_callback(finished)
         ctx.track(future)
@@ -466,17 +472,26 @@ class Rollout(Stage):
                 f"the source resolved {live.describe()} to a {type(session).__name__}; "
                 "expected a Session"
             )
-        session = dataclasses.replace(
-            session, task=live.task.id, group=live.group, sample=live.sample, attempt=live.attempt
-        )
+        identity = (live.task.id, live.group, live.sample, live.attempt)
+        if (session.task, session.group, session.sample, session.attempt) != identity:
+            session = dataclasses.replace(
+                session,
+                task=live.task.id,
+                group=live.group,
+                sample=live.sample,
+                attempt=live.attempt,
+            )
         end = live.finished_at if live.finished_at is not None else time.monotonic()
         return session, Stamps(live.batch, live.version, end - live.submitted_at, "", live.task)
 
     def _emit(self, ctx: StageContext) -> None:
         out, self._reported = self._reported, []
-        for ticket, live in list(self._live.items()):
-            if live.future.done():
-                del self._live[ticket]
-                out.append(self._result(live))
+        done = []
+        while self._finished:
+            live = self._live.pop(self._finished.popleft(), None)
+            if live is not None:
+                done.append(live)
+        done.sort(key=lambda live: live.seq)
+        out.extend(self._result(live) for live in done)
         if out:
             ctx.put("sessions", stamp_sessions([s for s, _ in out], [st for _, st in out]))

@@ -5,13 +5,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import doctest
 import importlib
+import math
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from session_strategies import sessions_strategy
 
 from dew_pipe import batches
+from dew_pipe.objectives.rl import session_arrow
 from dew_pipe.objectives.rl.advantages import (
     compute_advantages,
     group_advantages,
@@ -29,6 +33,7 @@ from dew_pipe.objectives.rl.sessions import (
     session_metrics,
     to_arrow,
 )
+from dew_pipe.rollout_batches import check_sessions_batch
 
 
 def good_call(**overrides):
@@ -405,3 +410,81 @@ def test_arrow_refuses_what_it_cannot_hold():
         ValueError, match=r"sessions batch row 0: Call.prompt_ids: expected at least one id"
     ):
         from_arrow(batches.sessions_to_arrow(rows))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=sessions_strategy(with_extras=True), start=st.integers(0, 3))
+def test_columnar_read_matches_the_record_checks(data, start):
+    # from_arrow checks whole columns and builds records unchecked; the row-by-row reader
+    # runs every record's own checks: both must read the same records, also off a slice
+    sessions, _ = data
+    batch = to_arrow(sessions)
+    for part in (batch, batch.slice(min(start, batch.num_rows))):
+        fast, checked = from_arrow(part), session_arrow._row_by_row(part)
+        assert fast == checked
+        routing = check_sessions_batch(part)
+        assert session_arrow._columnar(part, routing) is not None  # the fast path read it
+        for session in fast:
+            assert isinstance(session.calls, tuple) and isinstance(session.status, Status)
+            for c in session.calls:
+                assert not c.prompt_ids.flags.writeable and not c.sampled_ids.flags.writeable
+                assert c.prompt_ids.dtype == np.int32 and c.behavior_log_probs.dtype == np.float32
+
+
+def _rows_with(mutate):
+    rows = []
+    for i in range(3):
+        call = {
+            "prompt_ids": [1, 2],
+            "sampled_ids": [3, 4],
+            "behavior_log_probs": [-0.5, -0.25],
+            "raw_log_probs": [-0.4, -0.2],
+            "finish_reason": "stop",
+            "version": 1,
+            "support": None,
+        }
+        rows.append(
+            {
+                "task_id": i,
+                "group": 0,
+                "sample": i,
+                "attempt": 0,
+                "status": "COMPLETED",
+                "reward": 1.0,
+                "components": [("exact", 1.0)],
+                "detail": "",
+                "calls": [call],
+            }
+        )
+    mutate(rows[1], rows[1]["calls"][0])
+    # from_pylist checks types only: the values below are what a foreign writer could send
+    return pa.RecordBatch.from_pylist(rows, schema=batches.sessions_schema())
+
+
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda s, c: c.update(prompt_ids=[]), ValueError, "Call.prompt_ids: expected at least"),
+        (lambda s, c: c.update(sampled_ids=[-3, 4]), ValueError, "Call.sampled_ids: expected ids"),
+        (lambda s, c: c.update(behavior_log_probs=[math.nan, -1.0]), ValueError, "finite"),
+        (lambda s, c: c.update(behavior_log_probs=[-1.0]), ValueError, "one entry per sampled"),
+        (lambda s, c: c.update(raw_log_probs=[-1.0, -1.0, -1.0]), ValueError, "Call.log_probs"),
+        (lambda s, c: c.update(raw_log_probs=[math.inf, -1.0]), ValueError, "Call.log_probs"),
+        (lambda s, c: c.update(version=-1), ValueError, "Call.version: expected an int >= 0"),
+        (lambda s, c: c.update(support=[[3], [5]]), ValueError, r"Call.support\[1\]"),
+        (lambda s, c: c.update(finish_reason=None), TypeError, "Call.finish_reason"),
+        (lambda s, c: s.update(sample=-1), ValueError, "Session.sample"),
+        (lambda s, c: s.update(attempt=-2), ValueError, "Session.attempt"),
+        (lambda s, c: s.update(status="DONE"), ValueError, "status"),
+        (lambda s, c: s.update(reward=math.inf), ValueError, "Session.reward"),
+        (lambda s, c: s.update(components=[("a", math.nan)]), ValueError, "Session.components"),
+        (lambda s, c: s.update(detail=None), TypeError, "Session.detail"),
+    ],
+)
+def test_columnar_read_names_the_row_a_column_check_fails(mutate, error, message):
+    good = _rows_with(lambda s, c: None)
+    assert [s.task for s in from_arrow(good)] == [0, 1, 2]
+    assert session_arrow._columnar(good, None) is not None
+    assert session_arrow._columnar(_rows_with(mutate), None) is None  # the column check saw it
+    with pytest.raises(error, match=f"sessions batch row 1: .*{message}"):
+        from_arrow(_rows_with(mutate))

@@ -18,10 +18,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-from dew_pipe.objectives.rl.session_records import Call, Session, Task, check_sessions
-from dew_pipe.rollout_batches import sessions_from_arrow, sessions_to_arrow
+from dew_pipe.objectives.rl.session_records import (
+    Call,
+    Session,
+    Status,
+    Task,
+    assemble,
+    check_sessions,
+)
+from dew_pipe.rollout_batches import (
+    SESSION_STATUSES,
+    assemble_sessions,
+    check_sessions_batch,
+    lists_to_numpy,
+    sessions_from_arrow,
+)
 
 __all__ = ["from_arrow", "session_row", "task_from_row", "task_row", "to_arrow"]
 
@@ -94,10 +108,40 @@ def to_arrow(sessions: Sequence[Session]) -> pa.RecordBatch:
         [3]
     """
     check_sessions(sessions)
+    # A Session checked every field when it was made, so its rows skip the row checks of
+    # sessions_to_arrow (half the cost of writing a batch); only what the records leave
+    # open is checked here: routing shapes must agree across calls, ints must fit int32.
+    rows = [session_row(session) for session in sessions]
+    routing = _routing(rows)
     try:
-        return sessions_to_arrow([session_row(session) for session in sessions])
+        return assemble_sessions(rows, routing)
     except pa.ArrowInvalid as error:  # e.g. an int32 column overflowing
         raise ValueError(f"sessions: a value does not fit the sessions schema: {error}") from error
+
+
+def _routing(rows: list[dict[str, Any]]) -> tuple[int, int, np.dtype] | None:
+    """``(layers, top_k, dtype)`` the calls' routing records share, or None when none has one.
+
+    Raises:
+        ValueError: a record of another ``[layers, top_k]`` or dtype than the first, naming
+            the session and call.
+    """
+    routing = None
+    for i, row in enumerate(rows):
+        for j, call in enumerate(row["calls"]):
+            routed = call["routed_experts"]
+            if routed is None:
+                continue
+            spec = (routed.shape[1], routed.shape[2], routed.dtype)
+            if routing is None:
+                routing = spec
+            elif spec != routing:
+                raise ValueError(
+                    f"session {i}: calls[{j}].routed_experts: has shape {list(routed.shape)} "
+                    f"of {routed.dtype}, expected [n, {routing[0]}, {routing[1]}] of "
+                    f"{routing[2]} like the first routed call (a batch carries one routing shape)"
+                )
+    return routing
 
 
 def from_arrow(batch: pa.RecordBatch) -> list[Session]:
@@ -118,6 +162,14 @@ def from_arrow(batch: pa.RecordBatch) -> list[Session]:
         >>> from_arrow(to_arrow([s])) == [s]
         True
     """
+    routing = check_sessions_batch(batch)
+    fast = _columnar(batch, routing)
+    return fast if fast is not None else _row_by_row(batch)
+
+
+def _row_by_row(batch: pa.RecordBatch) -> list[Session]:
+    """The records of a batch, each through the checks of :class:`Session` and :class:`Call`
+    (what :func:`from_arrow` falls back to when a column check fails: it names the row)."""
     out = []
     for i, row in enumerate(sessions_from_arrow(batch)):
         try:
@@ -202,3 +254,149 @@ def task_from_row(row: Mapping[str, Any]) -> Task:
     if prompt is None and not any(text.values()):
         return Task(int(row["task_id"]), None)
     return Task(int(row["task_id"]), {"prompt": prompt, **text})
+
+
+# ----------------------------------------------------------------------------- columnar read
+
+_STATUS = {name: Status[name] for name in SESSION_STATUSES}
+_REQUIRED = ("task_id", "group", "sample", "attempt", "status", "components", "detail", "calls")
+
+
+def _list_column(column: pa.ListArray, lo: int, hi: int):
+    """``(values, offsets)`` of calls ``lo:hi`` of a list column, or None when the values
+    hold nulls (the row-by-row reader then names them). Values are read-only views."""
+    if column.values.null_count:
+        return None
+    values = column.values.to_numpy(zero_copy_only=False)
+    values.flags.writeable = False  # a no-op on Arrow's own (zero-copy) buffers
+    return values, column.offsets.to_numpy()[lo : hi + 1]
+
+
+def _columnar(batch: pa.RecordBatch, routing: Any) -> list[Session] | None:
+    """The records of a batch whose every value passes the record checks column by column,
+    built without checking each record again; None when a column check fails.
+
+    A call that recorded support or routing is built through :class:`Call`'s own checks
+    (distinct support ids and routing lengths are per-record questions).
+    """
+    if any(batch.column(name).null_count for name in _REQUIRED):
+        return None
+    calls = batch.column("calls")
+    struct = calls.values
+    call_offsets = calls.offsets.to_numpy()
+    lo, hi = int(call_offsets[0]), int(call_offsets[-1])
+    if struct.null_count:
+        return None
+    child = dict(zip([f.name for f in struct.type], struct.flatten(), strict=True))
+    for name in ("prompt_ids", "sampled_ids", "behavior_log_probs", "finish_reason", "version"):
+        if child[name].null_count:
+            return None
+    columns = {}
+    for name in ("prompt_ids", "sampled_ids", "behavior_log_probs", "raw_log_probs"):
+        columns[name] = _list_column(child[name], lo, hi)
+        if columns[name] is None:
+            return None
+    prompt, prompt_at = columns["prompt_ids"]
+    sampled, sampled_at = columns["sampled_ids"]
+    behavior, behavior_at = columns["behavior_log_probs"]
+    raw, raw_at = columns["raw_log_probs"]
+    raw_valid = child["raw_log_probs"].is_valid().to_numpy(zero_copy_only=False)[lo:hi]
+    lengths = np.diff(sampled_at)
+    if (
+        np.any(np.diff(prompt_at) < 1)
+        or (prompt[prompt_at[0] : prompt_at[-1]] < 0).any()
+        or (sampled[sampled_at[0] : sampled_at[-1]] < 0).any()
+        or np.any(np.diff(behavior_at) != lengths)
+        or not np.isfinite(behavior[behavior_at[0] : behavior_at[-1]]).all()
+        or np.any(np.diff(raw_at)[raw_valid] != lengths[raw_valid])
+        or not np.isfinite(raw[raw_at[0] : raw_at[-1]]).all()
+    ):
+        return None
+    versions = child["version"].to_numpy()[lo:hi]
+    if (versions < 0).any():
+        return None
+    reward = batch.column("reward")
+    components = batch.column("components")
+    scores = components.items
+    if (
+        (batch.column("sample").to_numpy() < 0).any()
+        or (batch.column("attempt").to_numpy() < 0).any()
+        or not np.isfinite(reward.fill_null(0.0).to_numpy()).all()
+        or scores.null_count
+        or not np.isfinite(scores.to_numpy(zero_copy_only=False)).all()
+    ):
+        return None
+    statuses = batch.column("status").to_pylist()
+    if not set(statuses) <= _STATUS.keys():
+        return None
+
+    reasons = child["finish_reason"].to_pylist()[lo:hi]
+    versions = versions.tolist()
+    checked = child["support"].is_valid().to_numpy(zero_copy_only=False)[lo:hi]
+    if routing is not None:
+        checked = checked | child["routed_experts"].is_valid().to_numpy(zero_copy_only=False)[lo:hi]
+    special = (
+        _per_call_extras(struct, routing, np.flatnonzero(checked) + lo) if checked.any() else {}
+    )
+    built = []
+    for j in range(hi - lo):
+        fields = {
+            "prompt_ids": prompt[prompt_at[j] : prompt_at[j + 1]],
+            "sampled_ids": sampled[sampled_at[j] : sampled_at[j + 1]],
+            "behavior_log_probs": behavior[behavior_at[j] : behavior_at[j + 1]],
+            "finish_reason": reasons[j],
+            "version": versions[j],
+            "log_probs": raw[raw_at[j] : raw_at[j + 1]] if raw_valid[j] else None,
+            "routed_experts": None,
+            "support": None,
+        }
+        if checked[j]:
+            extra = special[j + lo]
+            try:
+                built.append(Call(**{**fields, **extra}))
+            except (TypeError, ValueError):
+                return None  # the row-by-row reader raises it, naming the row
+        else:
+            built.append(assemble(Call, fields))
+
+    scalars = {name: batch.column(name).to_pylist() for name in ("task_id", "group", "sample")}
+    attempts, rewards = batch.column("attempt").to_pylist(), reward.to_pylist()
+    details, parts = batch.column("detail").to_pylist(), components.to_pylist()
+    out = []
+    for i in range(batch.num_rows):
+        first, last = call_offsets[i] - lo, call_offsets[i + 1] - lo
+        fields = {
+            "task": scalars["task_id"][i],
+            "group": scalars["group"][i],
+            "sample": scalars["sample"][i],
+            "attempt": attempts[i],
+            "calls": tuple(built[first:last]),
+            "status": _STATUS[statuses[i]],
+            "reward": rewards[i],
+            "components": dict(parts[i]),
+            "detail": details[i],
+        }
+        out.append(assemble(Session, fields))
+    return out
+
+
+def _per_call_extras(struct: pa.StructArray, routing: Any, calls: np.ndarray) -> dict[int, dict]:
+    """``{call: {"support": ..., "routed_experts": ...}}`` for the given calls of a struct."""
+    child = dict(zip([f.name for f in struct.type], struct.flatten(), strict=True))
+    support = child["support"]
+    inner = lists_to_numpy(support.values)
+    s_at, s_valid = support.offsets.to_numpy(), support.is_valid().to_numpy(zero_copy_only=False)
+    routed = flat = None
+    if routing is not None:
+        layers, top_k, _ = routing
+        routed = child["routed_experts"]
+        flat = routed.values.flatten().flatten().to_numpy(zero_copy_only=False)
+        flat = flat.reshape(-1, layers, top_k)
+    out = {}
+    for j in calls.tolist():
+        extra = {"support": inner[s_at[j] : s_at[j + 1]] if s_valid[j] else None}
+        if routed is not None and routed.is_valid()[j].as_py():
+            at = routed.offsets.to_numpy()
+            extra["routed_experts"] = flat[at[j] : at[j + 1]]
+        out[j] = extra
+    return out

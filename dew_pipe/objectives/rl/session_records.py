@@ -22,13 +22,14 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 import numpy as np
 
 __all__ = ["Call", "ParsedStatus", "Session", "SessionSource", "Status", "Task", "check_sessions"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+_R = TypeVar("_R")
 
 
 class ParsedStatus(enum.StrEnum):
@@ -380,6 +381,19 @@ class Session:
         )
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays
+
+
+def assemble(cls: type[_R], fields: Mapping[str, Any]) -> _R:
+    """A ``Call`` or ``Session`` from fields that already hold what its checks would make of
+    them, without running the checks.
+
+    For readers that check a whole column of records at once (``from_arrow``): every
+    field must be given, arrays read-only views of the right dtype, ``calls`` a tuple of
+    Call, ``status`` a Status, ints and floats Python numbers.
+    """
+    record = object.__new__(cls)
+    record.__dict__.update(fields)
+    return record
 
 
 def _finite(field: str, value: Any) -> float:
