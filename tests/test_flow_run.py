@@ -1,5 +1,6 @@
 """Running pipelines: order, fan-out/fan-in, worker pools, cycles, counters and backpressure."""
 
+import gc
 import threading
 import time
 
@@ -397,3 +398,70 @@ def test_background_run_reports_progress():
     assert not run.done and run.snapshot().stages["slow"].state in ("running", "opening")
     final = run.wait(timeout=10)
     assert run.done and final.stages["slow"].items_in == 20
+
+
+def _gated(name: str, gate: threading.Event, seen: list) -> Pipeline:
+    """A pipeline whose sink records the collector's settings, then waits for ``gate``."""
+
+    def keep(_: int) -> None:
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        assert gate.wait(10)
+
+    p = Pipeline(name)
+    p.chain(
+        Source("src", lambda: range(1), output_type=int),
+        Sink("keep", keep, input_type=int),
+        capacity=1,
+    )
+    return p
+
+
+def test_runs_tune_the_collector_and_the_last_one_restores_it():
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    assert frozen == 0
+    gc.set_threshold(700, 10, 500)  # a user's setting above one of ours stays
+    try:
+        first_gate, second_gate, seen = threading.Event(), threading.Event(), []
+        first = _gated("gc-first", first_gate, seen).start()
+        second = _gated("gc-second", second_gate, seen).start()
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [s[0] for s in seen] == [(20_000, 20, 500)] * 2
+        assert all(count > frozen for _, count in seen)  # what was alive left the scans
+        first_gate.set()
+        first.wait(timeout=10)
+        assert gc.get_threshold() == (20_000, 20, 500)  # the second run still runs
+        second_gate.set()
+        second.wait(timeout=10)
+        assert gc.get_threshold() == (700, 10, 500)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*before)
+        first_gate.set()
+        second_gate.set()
+
+
+def test_a_freeze_of_the_process_own_is_kept():
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        gate, seen = threading.Event(), []
+        gate.set()
+        _gated("gc-frozen", gate, seen).run(timeout=10)
+        assert seen[0][1] == count and seen[0][0][0] >= 20_000  # tuned, not frozen again
+        assert gc.get_freeze_count() == count  # neither frozen again nor unfrozen
+    finally:
+        gc.unfreeze()
+
+
+def test_a_disabled_collector_is_left_alone():
+    gc.disable()
+    try:
+        seen = []
+        gate = threading.Event()
+        gate.set()
+        _gated("gc-off", gate, seen).run(timeout=10)
+        assert seen[0][1] == 0 and not gc.isenabled()
+    finally:
+        gc.enable()

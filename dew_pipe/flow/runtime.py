@@ -10,12 +10,21 @@ threads add ``/worker_<i>``). A supervisor thread (``flow:<pipeline>:supervisor`
 * call ``on_metrics`` every ``metrics_every`` seconds, and
 * once every stage has finished (or ``join_timeout`` after cancellation), join the threads.
 
+While any run is running, the cyclic garbage collector is tuned for a process whose work
+is the pipeline (:class:`_Collector`): what was alive at the start (modules, models,
+compiled functions) is frozen out of its scans (``gc.freeze``) and its thresholds are
+raised to at least ``_GC_THRESHOLDS``; the last run to end restores both. A full
+collection walks every tracked object with every thread stopped; on the embedded job's
+GRPO phase (2-core AVX2 EPYC) the defaults spent 6.1 of 60 s in 22 full collections, about
+0.28 s each, and an update took 1.40 s; frozen and raised, 0.24 s in one, 1.05 s an update.
+
 The first failure wins: it cancels the run, and what other stages raise afterwards (often a
 consequence) is kept in ``Run.secondary`` but not raised.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +50,49 @@ from dew_pipe.flow.stage import Stage, StageContext, StageState
 # 20 ms keeps each below what a person notices and costs ~50 wake-ups a second.
 _TICK_S = 0.02
 _WAIT_SLICE_S = 0.1  # Run.wait wakes this often to let the main thread handle signals
+# Collector thresholds while a run runs (generation 0 allocations, then collections of the
+# younger generation before an older one is collected): full collections become rare.
+_GC_THRESHOLDS = (20_000, 20, 100)
+
+
+class _Collector:
+    """Reference-counted GC tuning for the runs of this process (see the module docstring).
+
+    Thresholds are only raised (a user's higher setting stays); a disabled collector
+    (``gc.disable()`` or a first threshold of 0) is left alone, and so is a process that
+    froze objects itself (it is not frozen again, nor unfrozen after).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs = 0
+        self._saved: tuple[int, ...] | None = None
+        self._froze = False
+
+    def enter(self) -> None:
+        with self._lock:
+            self._runs += 1
+            # threshold 0 also turns collection off: a user's choice, like gc.disable()
+            if self._runs == 1 and gc.isenabled() and gc.get_threshold()[0] > 0:
+                self._saved = gc.get_threshold()
+                # a process that froze objects itself (before forking...) keeps its freeze
+                self._froze = gc.get_freeze_count() == 0
+                if self._froze:
+                    gc.freeze()
+                raised = (max(a, b) for a, b in zip(self._saved, _GC_THRESHOLDS, strict=True))
+                gc.set_threshold(*raised)
+
+    def exit(self) -> None:
+        with self._lock:
+            self._runs -= 1
+            if self._runs == 0 and self._saved is not None:
+                gc.set_threshold(*self._saved)
+                if self._froze:
+                    gc.unfreeze()
+                self._saved = None
+
+
+_COLLECTOR = _Collector()
 
 
 @dataclass
@@ -270,6 +322,7 @@ class Run:
             )  # fmt: skip
 
     def _start_threads(self) -> None:
+        _COLLECTOR.enter()  # left by the supervisor when the run is done
         self._threads = {
             name: threading.Thread(
                 target=self._stage_main, args=(name,), name=ctx.thread_name, daemon=True
@@ -291,7 +344,11 @@ class Run:
             for name, thread in self._threads.items():
                 if thread not in started:
                     self._finish(name, "cancelled")
-        self._supervisor.start()
+        try:
+            self._supervisor.start()
+        except BaseException:
+            _COLLECTOR.exit()
+            raise
 
     # ------------------------------------------------------------------ stage threads
 
@@ -406,6 +463,7 @@ class Run:
             if self._on_metrics is not None:
                 self._report()
             self._final = self.snapshot()
+            _COLLECTOR.exit()
             self._done.set()
 
     def _check_timeouts(self, now: float) -> None:
