@@ -188,6 +188,7 @@ class Server:
         self._waiting: collections.deque[Request] = collections.deque()
         self._reloads: collections.deque[Reload] = collections.deque()
         self._cond = threading.Condition()
+        self._cancels = 0  # cancelled futures not yet dropped (under _cond)
         self._closing = False
         self._error: BaseException | None = None
         self._counts = collections.Counter()
@@ -411,6 +412,7 @@ class Server:
     def _on_done(self, future: Future) -> None:
         if future.cancelled():  # wake the thread so it frees the row or queue entry
             with self._cond:
+                self._cancels += 1
                 self._cond.notify_all()
 
     def _loop(self) -> None:
@@ -472,7 +474,14 @@ class Server:
         return left is None or left <= 0
 
     def _drop_cancelled(self) -> None:
-        """Forgets cancelled requests, queued or decoding (a freed row is reused at once)."""
+        """Forgets cancelled requests, queued or decoding (a freed row is reused at once).
+
+        Scans only after a cancellation was seen (`_on_done` counts them): a scan of a full
+        queue at every step was a per-step cost in the length of the queue.
+        """
+        if not self._cancels:
+            return
+        self._cancels = 0
         kept = [req for req in self._waiting if not req.future.cancelled()]
         dropped = len(self._waiting) - len(kept)
         self._waiting = collections.deque(kept)
