@@ -33,7 +33,6 @@ from dew_pipe.rollout_batches import (
     SESSION_STATUSES,
     assemble_sessions,
     check_sessions_batch,
-    lists_to_numpy,
     sessions_from_arrow,
 )
 
@@ -274,10 +273,8 @@ def _list_column(column: pa.ListArray, lo: int, hi: int):
 
 def _columnar(batch: pa.RecordBatch, routing: Any) -> list[Session] | None:
     """The records of a batch whose every value passes the record checks column by column,
-    built without checking each record again; None when a column check fails.
-
-    A call that recorded support or routing is built through :class:`Call`'s own checks
-    (distinct support ids and routing lengths are per-record questions).
+    built without checking each record again; None when a column check fails or a call
+    recorded support or routing (those are checked record by record).
     """
     if any(batch.column(name).null_count for name in _REQUIRED):
         return None
@@ -330,34 +327,29 @@ def _columnar(batch: pa.RecordBatch, routing: Any) -> list[Session] | None:
     if not set(statuses) <= _STATUS.keys():
         return None
 
+    # Support (distinct ids holding the sampled one) and routing lengths are per-record
+    # questions: a batch that records either is read row by row.
+    recorded = ["support"] + (["routed_experts"] if routing is not None else [])
+    if any(child[name].is_valid().to_numpy(zero_copy_only=False)[lo:hi].any() for name in recorded):
+        return None
     reasons = child["finish_reason"].to_pylist()[lo:hi]
     versions = versions.tolist()
-    checked = child["support"].is_valid().to_numpy(zero_copy_only=False)[lo:hi]
-    if routing is not None:
-        checked = checked | child["routed_experts"].is_valid().to_numpy(zero_copy_only=False)[lo:hi]
-    special = (
-        _per_call_extras(struct, routing, np.flatnonzero(checked) + lo) if checked.any() else {}
-    )
-    built = []
-    for j in range(hi - lo):
-        fields = {
-            "prompt_ids": prompt[prompt_at[j] : prompt_at[j + 1]],
-            "sampled_ids": sampled[sampled_at[j] : sampled_at[j + 1]],
-            "behavior_log_probs": behavior[behavior_at[j] : behavior_at[j + 1]],
-            "finish_reason": reasons[j],
-            "version": versions[j],
-            "log_probs": raw[raw_at[j] : raw_at[j + 1]] if raw_valid[j] else None,
-            "routed_experts": None,
-            "support": None,
-        }
-        if checked[j]:
-            extra = special[j + lo]
-            try:
-                built.append(Call(**{**fields, **extra}))
-            except (TypeError, ValueError):
-                return None  # the row-by-row reader raises it, naming the row
-        else:
-            built.append(assemble(Call, fields))
+    built = [
+        assemble(
+            Call,
+            {
+                "prompt_ids": prompt[prompt_at[j] : prompt_at[j + 1]],
+                "sampled_ids": sampled[sampled_at[j] : sampled_at[j + 1]],
+                "behavior_log_probs": behavior[behavior_at[j] : behavior_at[j + 1]],
+                "finish_reason": reasons[j],
+                "version": versions[j],
+                "log_probs": raw[raw_at[j] : raw_at[j + 1]] if raw_valid[j] else None,
+                "routed_experts": None,
+                "support": None,
+            },
+        )
+        for j in range(hi - lo)
+    ]
 
     scalars = {name: batch.column(name).to_pylist() for name in ("task_id", "group", "sample")}
     attempts, rewards = batch.column("attempt").to_pylist(), reward.to_pylist()
@@ -377,26 +369,4 @@ def _columnar(batch: pa.RecordBatch, routing: Any) -> list[Session] | None:
             "detail": details[i],
         }
         out.append(assemble(Session, fields))
-    return out
-
-
-def _per_call_extras(struct: pa.StructArray, routing: Any, calls: np.ndarray) -> dict[int, dict]:
-    """``{call: {"support": ..., "routed_experts": ...}}`` for the given calls of a struct."""
-    child = dict(zip([f.name for f in struct.type], struct.flatten(), strict=True))
-    support = child["support"]
-    inner = lists_to_numpy(support.values)
-    s_at, s_valid = support.offsets.to_numpy(), support.is_valid().to_numpy(zero_copy_only=False)
-    routed = flat = None
-    if routing is not None:
-        layers, top_k, _ = routing
-        routed = child["routed_experts"]
-        flat = routed.values.flatten().flatten().to_numpy(zero_copy_only=False)
-        flat = flat.reshape(-1, layers, top_k)
-    out = {}
-    for j in calls.tolist():
-        extra = {"support": inner[s_at[j] : s_at[j + 1]] if s_valid[j] else None}
-        if routed is not None and routed.is_valid()[j].as_py():
-            at = routed.offsets.to_numpy()
-            extra["routed_experts"] = flat[at[j] : at[j + 1]]
-        out[j] = extra
     return out
