@@ -127,6 +127,23 @@ def test_the_cache_is_kept_per_layer_and_updated_in_place(server):
     assert after == pointers
 
 
+def test_host_inputs_reuse_each_compiled_step(server):
+    """The server hands its per-call inputs to the compiled steps as host arrays; a repeat
+    of the same joins and decode calls finds every step compiled already."""
+    from dew_pipe.inference.servers import engine_steps
+
+    def serve():  # one request at a time: the same joining shapes every round
+        for prompt, seed in ((P1, 21), (P2, 22), (P3, 23)):
+            server.submit(prompt, 5, seed=seed).result(timeout=120)
+
+    serve()
+    before = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
+    serve()
+    assert (engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()) == before
+    leaves = jax.tree.leaves((server._cache, server._state))
+    assert {leaf.devices().pop() for leaf in leaves} == {server.device}
+
+
 # ------------------------------------------------------------------ joins and reloads
 
 

@@ -128,6 +128,31 @@ def test_eos_completes_the_budget_truncates_and_both_are_scored(scripted):
     assert all(name.startswith("prompt-reward") for name in reward.threads)
 
 
+def test_interleaved_tasks_each_draw_and_score_their_own_prompt(scripted):
+    """A task is read once for a run of its samples; another task in between is read
+    afresh, and each session keeps its own task's prompt and metadata."""
+    server, reward, source = scripted
+    other = Task(8, {"prompt": np.array([3], np.int32), "ground_truth": "1", "extra_info": "x"})
+    futures = [
+        source.submit(task, group=g, sample=k, attempt=0)
+        for task, g, k in ((TASK, 1, 0), (TASK, 1, 1), (other, 2, 0), (TASK, 1, 2))
+    ]
+    assert [r[0] for r in server.requests] == [[5, 6], [5, 6], [3], [5, 6]]
+    for (prompt, *_, future), sampled in zip(server.requests, ([4], [5], [1], [4]), strict=True):
+        future.set_result(draw(sampled, "length", prompt=prompt))
+    sessions = [f.result(timeout=10) for f in futures]
+    assert [s.task for s in sessions] == [7, 7, 8, 7]
+    assert [s.calls[0].prompt_ids.tolist() for s in sessions] == [[5, 6], [5, 6], [3], [5, 6]]
+    assert sorted(reward.calls) == [
+        ("", "1", "1", "x"),
+        ("src", "4", "4 9", "{}"),
+        ("src", "4", "4 9", "{}"),
+        ("src", "5", "4 9", "{}"),
+    ]
+    with pytest.raises(TypeError, match="expected a sessions.Task"):
+        source.submit({"prompt": [1]}, group=3, sample=0, attempt=0)
+
+
 def test_a_failed_draw_is_an_infrastructure_error(scripted):
     server, reward, source = scripted
     future = source.submit(TASK, group=0, sample=0, attempt=1)

@@ -137,6 +137,50 @@ def test_call_refuses_bad_fields(overrides, error, message):
         good_call(**overrides)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"prompt_ids": np.zeros(0, np.int32)}, ValueError, r"prompt_ids: expected at least one"),
+        (
+            {"prompt_ids": np.array([1, -2], np.int32)},
+            ValueError,
+            r"Call.prompt_ids: expected ids in \[0, 2147483647\], got -2 at index 1",
+        ),
+        ({"sampled_ids": np.array([4, -5], np.int32)}, ValueError, r"got -5 at index 1"),
+        (
+            {"behavior_log_probs": np.array([-0.5, np.nan], np.float32)},
+            ValueError,
+            r"behavior_log_probs: expected finite float32 values, got nan at index 1",
+        ),
+        (
+            {"log_probs": np.array([-0.5, -np.inf], np.float32)},
+            ValueError,
+            r"Call.log_probs: expected finite float32 values, got -inf at index 1",
+        ),
+        (
+            {"behavior_log_probs": np.array([-0.5], np.float32)},
+            ValueError,
+            r"behavior_log_probs: expected one entry.*\(2,\), got \(1,\)",
+        ),
+    ],
+)
+def test_call_checks_server_arrays_too(overrides, error, message):
+    """int32 ids and float32 likelihoods, as servers hand them over, take a shorter path
+    through the checks; it refuses the same faults with the same messages."""
+    with pytest.raises(error, match=message):
+        good_call(**overrides)
+
+
+def test_call_keeps_server_arrays_as_frozen_views():
+    ids, likely = np.array([4, 5], np.int32), np.array([-0.5, -1.5], np.float32)
+    call = good_call(sampled_ids=ids, behavior_log_probs=likely, log_probs=likely)
+    assert np.shares_memory(call.sampled_ids, ids) and np.shares_memory(call.log_probs, likely)
+    with pytest.raises(ValueError, match="read-only"):
+        call.sampled_ids[0] = 9
+    ids[0] = 7  # the caller's arrays stay writable
+    likely[0] = -2.0
+
+
 def test_check_eos():
     good_call(sampled_ids=[4, 0], finish_reason="stop").check_eos(0)
     good_call(sampled_ids=[4, 5], finish_reason="length").check_eos((0, 9))

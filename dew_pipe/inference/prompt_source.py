@@ -76,10 +76,13 @@ def _seed(*parts: int) -> int:
 
 
 class _Pending:
-    __slots__ = ("attempt", "draw", "future", "group", "sample", "task")
+    __slots__ = ("attempt", "draw", "future", "group", "metadata", "sample", "task")
 
-    def __init__(self, task: Task, group: int, sample: int, attempt: int) -> None:
-        self.task, self.group, self.sample, self.attempt = task, group, sample, attempt
+    def __init__(
+        self, task: Task, metadata: dict[str, str], group: int, sample: int, attempt: int
+    ) -> None:
+        self.task, self.metadata = task, metadata
+        self.group, self.sample, self.attempt = group, sample, attempt
         self.future: cf.Future[Session] = cf.Future()
         self.draw: cf.Future[Draw] | None = None
 
@@ -149,6 +152,8 @@ class PromptSource:
         self._lock = threading.Lock()
         self._pending: dict[cf.Future, _Pending] = {}
         self._closed = False
+        # The task last submitted, with its prompt and metadata: read once per group.
+        self._last_payload: tuple[Task, np.ndarray, dict[str, str]] | None = None
 
     def submit(self, task: Task, *, group: int, sample: int, attempt: int) -> cf.Future[Session]:
         """Draws one completion of ``task``'s prompt; returns the future session at once.
@@ -158,11 +163,16 @@ class PromptSource:
             RuntimeError: the source is closed, or the server refuses the request (closed or
                 failed: a broken source, not a failed sample).
         """
-        prompt, _ = _payload(task)
+        last = self._last_payload  # a group's samples come one after another
+        if last is not None and last[0] is task:
+            prompt, metadata = last[1], last[2]
+        else:
+            prompt, metadata = _payload(task)
+            self._last_payload = (task, prompt, metadata)
         group = check_int("group", group)
         sample = check_int("sample", sample, minimum=0)
         attempt = check_int("attempt", attempt, minimum=0)
-        entry = _Pending(task, group, sample, attempt)
+        entry = _Pending(task, metadata, group, sample, attempt)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the PromptSource is closed")
@@ -246,7 +256,7 @@ class PromptSource:
             return entry.session(Status.INFRA_ERROR, detail=detail)
         status = Status.COMPLETED if draw.stopped else Status.TRUNCATED
         ids = draw.sampled_ids[:-1] if draw.stopped else draw.sampled_ids
-        _, metadata = _payload(entry.task)
+        metadata = entry.metadata
         try:
             completion = self.decode(ids)
             if not isinstance(completion, str):

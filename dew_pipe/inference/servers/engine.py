@@ -525,7 +525,11 @@ class Server:
             self._variables,
             self._cache,
             self._state,
-            *jax.device_put((rows, prompts, lengths, limits, seeds), self.device),
+            rows,  # host arrays: the call copies them to the device of the committed cache
+            prompts,
+            lengths,
+            limits,
+            seeds,
             sampling=self.sampling,
             support=self.record_support,
         )
@@ -559,7 +563,8 @@ class Server:
             self._variables,
             self._cache,
             self._state,
-            *jax.device_put((keep, np.bool_(eager)), self.device),
+            keep,
+            np.bool_(eager),
             steps=self.steps_per_call,
             sampling=self.sampling,
             support=self.record_support,

@@ -21,6 +21,7 @@ or stops it at its next step, and the future stays cancelled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -37,6 +38,14 @@ __all__ = ["FINISH_REASONS", "Draw", "RolloutServer"]
 #: ``"stop"``: an EOS id ended the draw (it is the last sampled id); ``"length"``: the
 #: ``max_new_tokens`` budget did.
 FINISH_REASONS = ("stop", "length")
+
+
+@functools.cache
+def _call_type() -> type[Call]:
+    """`Call`, imported on first use (sessions imports this module's callers)."""
+    from dew_pipe.objectives.rl.sessions import Call
+
+    return Call
 
 
 def _array(name: str, value: Any, dtype: Any, length: int | None) -> np.ndarray:
@@ -150,9 +159,7 @@ class Draw:
             >>> Draw([1], [3], [-0.5], "length", 0, 0).call().finish_reason
             'length'
         """
-        from dew_pipe.objectives.rl.sessions import Call
-
-        return Call(
+        return _call_type()(
             self.prompt_ids,
             self.sampled_ids,
             self.behavior_log_probs,

@@ -29,6 +29,7 @@ import numpy as np
 __all__ = ["Call", "ParsedStatus", "Session", "SessionSource", "Status", "Task", "check_sessions"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
 _R = TypeVar("_R")
 
 
@@ -100,6 +101,17 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 
 def _ids(field: str, value: Any, *, nonempty: bool = False) -> np.ndarray:
     """Nonnegative int32 token ids from any integer sequence; bools and floats refused."""
+    if type(value) is np.ndarray and value.dtype == _INT32 and value.ndim == 1:
+        # What servers hand over: only the sign and the emptiness are left to check.
+        if value.size == 0:
+            if nonempty:
+                raise ValueError(f"{field}: expected at least one id, got none")
+        elif value.min() < 0:
+            bad = int(np.flatnonzero(value < 0)[0])
+            raise ValueError(
+                f"{field}: expected ids in [0, {_INT32_MAX}], got {value[bad]} at index {bad}"
+            )
+        return _frozen(value)
     array = np.asarray(value)
     if array.size == 0 and array.ndim == 1 and array.dtype != np.bool_:
         array = array.astype(np.int32)
@@ -119,6 +131,13 @@ def _ids(field: str, value: Any, *, nonempty: bool = False) -> np.ndarray:
 
 def _likelihoods(field: str, value: Any, length: int) -> np.ndarray:
     """Finite float32 log-probabilities, one per sampled id."""
+    if type(value) is np.ndarray and value.dtype == _FLOAT32 and value.shape == (length,):
+        if not np.isfinite(value).all():  # float32 already: nothing to cast
+            bad = int(np.flatnonzero(~np.isfinite(value))[0])
+            raise ValueError(
+                f"{field}: expected finite float32 values, got {value[bad]} at index {bad}"
+            )
+        return _frozen(value)
     array = np.asarray(value)
     if array.size == 0 and array.ndim == 1 and array.dtype != np.bool_:
         array = array.astype(np.float32)
