@@ -98,6 +98,9 @@ def pipeline(
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
     slots: int = 128,  # rows the rollout server decodes together
+    join_rows: int | None = None,  # rows that must finish before waiting draws join a busy
+    #   server (Server's join_rows); None: all `slots`, so every wave of these few-id
+    #   completions ends before the next starts in one prefill (fewer compiled shapes)
     grpo_eval_every: int = 50,  # GRPO updates between held-out probes
     # --- evaluation
     test_size: int = 1000,  # held-out test problems (greedy exact match on all, every probe)
@@ -126,6 +129,7 @@ def pipeline(
     for name in ("eval_every", "grpo_steps", "slots", "grpo_eval_every"):
         check_int(name, getattr(settings, name), minimum=1)
     check_int("sample_probe", sample_probe, minimum=0, maximum=10**6)
+    check_int("join_rows", join_rows, minimum=1, maximum=slots, allow_none=True)
     check_int("warmup", warmup, minimum=0)
     for name in ("sft_learning_rate", "learning_rate", "temperature"):
         check_float(name, getattr(settings, name), above=0.0)
@@ -380,6 +384,7 @@ class ArithmeticJob:
             Server.from_task(
                 ServeTask(model, params, sampling),
                 slots=s.slots,
+                join_rows=s.slots if s.join_rows is None else s.join_rows,
                 capacity=graph.width - 1,
                 seed=s.seed,
                 pad_id=task.pad_id,

@@ -387,6 +387,34 @@ def test_an_idle_server_gathers_a_burst_into_one_prefill(tiny):
         server.close()
 
 
+def serve_in_waves(tiny, join_rows):
+    """Eight draws of mixed budgets on 4 rows, started as one gathered burst of four."""
+    server = Server(tiny[0], tiny[1], SAMPLING, gather_s=60.0, join_rows=join_rows, **OPTIONS)
+    try:
+        budgets = (2, 3, 5, 6, 6, 5, 3, 2)
+        futures = [server.submit(P2, b, seed=40 + i) for i, b in enumerate(budgets)]
+        draws = [future.result(timeout=120) for future in futures]
+        return draws, server.counters()
+    finally:
+        server.close()
+
+
+def test_join_rows_lets_a_wave_finish_before_the_next_joins(tiny):
+    each, each_counts = serve_in_waves(tiny, join_rows=1)
+    waves, wave_counts = serve_in_waves(tiny, join_rows=4)
+    # One row at a time: the queued draws join as rows finish, while others decode.
+    assert each_counts.joined_mid_flight >= 2 and each_counts.prefills >= 3
+    # join_rows=slots: the second four join together once the first four have all ended.
+    assert (wave_counts.prefills, wave_counts.joined, wave_counts.joined_mid_flight) == (2, 8, 0)
+    assert wave_counts.prefills < each_counts.prefills
+    # ...at the price of idle rows: the waves take more steps of fewer busy rows.
+    assert wave_counts.steps > each_counts.steps and max(wave_counts.rows_per_step) == 4
+    # The policy moves draws between calls and rows, never changes what they sample.
+    for a, b in zip(each, waves, strict=True):
+        np.testing.assert_array_equal(a.sampled_ids, b.sampled_ids)
+        np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
+
+
 def test_the_window_starts_a_partial_burst_once_the_oldest_request_waited_it(tiny):
     server = gated_with(tiny, gather_s=0.4)
     try:
@@ -473,6 +501,9 @@ def test_bad_requests_fail_their_future_or_raise(server):
         (dict(sampling="greedy"), TypeError, "expected a dew_pipe.sampling.Sampling"),
         (dict(gather_s=-0.5), ValueError, "gather_s is -0.5"),
         (dict(gather_s=float("nan")), ValueError, "gather_s is nan"),
+        (dict(join_rows=0), ValueError, "join_rows is 0"),
+        (dict(join_rows=3), ValueError, "join_rows is 3; expected at most slots=2"),
+        (dict(join_rows=True), TypeError, "join_rows is True"),
     ],
 )
 def test_bad_options_are_refused_before_any_thread_starts(tiny, options, error, match):

@@ -14,8 +14,8 @@ in a bounded queue; between two decode calls the server thread
    may first wait up to ``gather_s`` for more requests, so a burst submitted one request at
    a time starts in one prefill;
 4. advances every busy row by up to ``steps_per_call`` ids in one compiled call of a fixed
-   shape (`engine_steps.advance`), stopping early once a row finishes while requests wait,
-   so a finished row is handed on at once.
+   shape (`engine_steps.advance`), stopping early once ``join_rows`` rows have finished
+   while requests wait (by default the first row to finish is handed on at once).
 
 A finished row resolves its future with a `Draw` (`interface.py`). Each draw is
 sampled from its own seed (``fold_in(key(seed), t)`` for its ``t``-th id), so given the
@@ -112,6 +112,16 @@ class Server:
             later, so the batch takes ``steps_per_call`` more steps and prefills in more
             shapes. 0 (default) starts at once. A busy server never waits: requests join
             at the next call.
+        join_rows: how many rows must finish before a decode call stops early for the
+            requests waiting (or as many as wait, when fewer do). 1 (default) hands each
+            row on as soon as it finishes: the lowest latency per request, and the right
+            choice when lengths differ widely (tool turns, long completions). ``slots``
+            lets every row of a wave finish before the next wave joins in one prefill:
+            for short completions of similar length (a batch of RL draws of a few ids)
+            that is fewer prefill calls and shapes to compile, and fewer decode calls
+            when a wave fits in one, at the cost of rows idling while the longest of
+            their wave finishes. A busy server holds waiting requests back until that
+            many rows are free; an idle one starts them at once (see ``gather_s``).
 
     Raises:
         TypeError / ValueError: a bad option, named with what was expected.
@@ -141,6 +151,7 @@ class Server:
         pad_id: int = 0,
         device: jax.Device | None = None,
         gather_s: float = 0.0,
+        join_rows: int = 1,
     ) -> None:
         sampling = Sampling() if sampling is None else sampling
         if (
@@ -159,7 +170,11 @@ class Server:
             version=version,
             seed=seed,
             pad_id=pad_id,
+            join_rows=join_rows,
         )
+        if options["join_rows"] > options["slots"]:
+            raise ValueError(f"join_rows is {join_rows}; expected at most slots={options['slots']}")
+        self.join_rows = options["join_rows"]
         self.sampling = sampling
         self.slots, self.capacity, self.queue = options["slots"], options["capacity"], queue
         self.steps_per_call = options["steps_per_call"]
@@ -446,10 +461,12 @@ class Server:
             reloads = list(self._reloads)
             self._reloads.clear()
             # Joining requests take their rows now, so a failure from here on finds them.
+            # A busy server lets them join once join_rows rows are free (or all wait).
             joining = []
-            for r in free[: len(self._waiting)]:
-                self._rows[r] = self._waiting.popleft()
-                joining.append(r)
+            if not busy or len(free) >= self._join_target():
+                for r in free[: len(self._waiting)]:
+                    self._rows[r] = self._waiting.popleft()
+                    joining.append(r)
             if joining:
                 self._cond.notify_all()  # room in the queue for blocked submitters
         if reloads:
@@ -459,6 +476,10 @@ class Server:
         if any(req is not None for req in self._rows):
             self._advance()
         return True
+
+    def _join_target(self) -> int:
+        """Free rows the waiting requests join in together (called under the lock)."""
+        return min(self.join_rows, len(self._waiting))
 
     def _gather_left(self) -> float | None:
         """Seconds left of the oldest waiting request's window (None: nothing to time)."""
@@ -557,14 +578,18 @@ class Server:
     def _advance(self) -> None:
         """One compiled decode call over the busy rows; finished rows resolve."""
         keep = np.array([req is not None for req in self._rows])
-        eager = bool(self._waiting)
+        # Stop early once enough rows are free for the waiting requests to join (0: never);
+        # rows already free count, but the call makes at least one step.
+        with self._cond:
+            target, free = self._join_target(), int(np.sum(~keep))
+        join = max(1, target - free) if target else 0
         self._cache, self._state, out = engine_steps.advance(
             self.model,
             self._variables,
             self._cache,
             self._state,
             keep,
-            np.bool_(eager),
+            np.int32(join),
             steps=self.steps_per_call,
             sampling=self.sampling,
             support=self.record_support,

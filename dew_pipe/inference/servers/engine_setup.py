@@ -66,7 +66,7 @@ def check_options(model: Any, sampling: Any, **options: Any) -> dict[str, int]:
     sampling.check_vocab(int(config.vocab_size))
     out = {
         name: check_int(name, options[name], minimum=1)
-        for name in ("slots", "capacity", "queue", "steps_per_call")
+        for name in ("slots", "capacity", "queue", "steps_per_call", "join_rows")
     }
     for name in ("version", "seed", "pad_id"):
         out[name] = check_int(name, options[name], minimum=0)

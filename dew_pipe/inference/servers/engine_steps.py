@@ -13,9 +13,9 @@ donating the cache and the slots so XLA updates them in place:
   (J bucket, P bucket).
 - `advance` runs up to ``steps`` decode steps over all rows in a ``lax.while_loop``
   (`dew_pipe.inference.decoding.decode_step`), feeding each active row's last id and
-  sampling its next; a row stops on EOS or on its budget. With ``eager`` set it also stops
-  after the first step in which any row finished, so a waiting request can take that row.
-  One compile per server.
+  sampling its next; a row stops on EOS or on its budget. Given ``join`` (> 0) it also
+  stops after the step by which that many rows have finished in the call, so waiting
+  requests can take their rows. One compile per server.
 - `copy_into` writes new weights into the served buffers (donated), casting each floating
   leaf to the served dtype.
 
@@ -171,7 +171,7 @@ def advance(
     cache: dict[str, jax.Array],
     slots: Slots,
     keep: jax.Array,
-    eager: jax.Array,
+    join: jax.Array,
     *,
     steps: int,
     sampling: Sampling,
@@ -179,8 +179,9 @@ def advance(
 ) -> tuple[dict[str, jax.Array], Slots, Advanced]:
     """Runs up to ``steps`` decode steps over the rows active in ``slots`` and ``keep``.
 
-    ``keep`` ``[S]`` bool drops rows the host has released (cancelled); ``eager`` (bool
-    scalar) stops after the first step in which a row finished.
+    ``keep`` ``[S]`` bool drops rows the host has released (cancelled); ``join`` (int32
+    scalar) stops after the step by which that many rows have finished in this call (0:
+    only ``steps`` and the rows' own ends bound the call).
     """
     rows = slots.last.shape[0]
     step_fn = decode_step(model, variables)
@@ -197,14 +198,14 @@ def advance(
         step=jnp.int32(0),
         decode=step_fn.start(cache),
         slots=slots._replace(active=slots.active & keep),
-        finished=jnp.bool_(False),
+        finished=jnp.int32(0),  # rows that finished in this call
         out=out,
         active_rows=jnp.zeros((steps,), jnp.int32),
     )
 
     def running(state: dict[str, Any]) -> jax.Array:
-        more = jnp.any(state["slots"].active) & ~(eager & state["finished"])
-        return (state["step"] < steps) & more
+        joining = (join > 0) & (state["finished"] >= join)
+        return (state["step"] < steps) & jnp.any(state["slots"].active) & ~joining
 
     def step(state: dict[str, Any]) -> dict[str, Any]:
         i, s = state["step"], state["slots"]
@@ -235,7 +236,7 @@ def advance(
             step=i + 1,
             decode=decode,
             slots=slots,
-            finished=state["finished"] | jnp.any(finished),
+            finished=state["finished"] + jnp.sum(finished, dtype=jnp.int32),
             out=out,
             active_rows=state["active_rows"].at[i].set(jnp.sum(moved)),
         )
