@@ -172,8 +172,6 @@ class Server:
             pad_id=pad_id,
             join_rows=join_rows,
         )
-        if options["join_rows"] > options["slots"]:
-            raise ValueError(f"join_rows is {join_rows}; expected at most slots={options['slots']}")
         self.join_rows = options["join_rows"]
         self.sampling = sampling
         self.slots, self.capacity, self.queue = options["slots"], options["capacity"], queue

@@ -75,6 +75,8 @@ def check_options(model: Any, sampling: Any, **options: Any) -> dict[str, int]:
             f"capacity is {out['capacity']}; expected at most the model's "
             f"max_seq_len={config.max_seq_len}"
         )
+    if out["join_rows"] > out["slots"]:
+        raise ValueError(f"join_rows is {out['join_rows']}; expected at most slots={out['slots']}")
     if out["pad_id"] >= config.vocab_size:
         raise ValueError(f"pad_id is {out['pad_id']}; expected an id below {config.vocab_size}")
     return out

@@ -102,26 +102,18 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 def _ids(field: str, value: Any, *, nonempty: bool = False) -> np.ndarray:
     """Nonnegative int32 token ids from any integer sequence; bools and floats refused."""
     if type(value) is np.ndarray and value.dtype == _INT32 and value.ndim == 1:
-        # What servers hand over: only the sign and the emptiness are left to check.
-        if value.size == 0:
-            if nonempty:
-                raise ValueError(f"{field}: expected at least one id, got none")
-        elif value.min() < 0:
-            bad = int(np.flatnonzero(value < 0)[0])
-            raise ValueError(
-                f"{field}: expected ids in [0, {_INT32_MAX}], got {value[bad]} at index {bad}"
-            )
-        return _frozen(value)
-    array = np.asarray(value)
-    if array.size == 0 and array.ndim == 1 and array.dtype != np.bool_:
-        array = array.astype(np.int32)
-    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
-        raise TypeError(f"{field}: expected integer token ids, got dtype {array.dtype}")
-    if array.ndim != 1:
-        raise ValueError(f"{field}: expected a 1-D sequence of ids, got shape {array.shape}")
+        array, high = value, None  # what servers hand over: int32 needs no range check above
+    else:
+        array, high = np.asarray(value), _INT32_MAX
+        if array.size == 0 and array.ndim == 1 and array.dtype != np.bool_:
+            array = array.astype(np.int32)
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"{field}: expected integer token ids, got dtype {array.dtype}")
+        if array.ndim != 1:
+            raise ValueError(f"{field}: expected a 1-D sequence of ids, got shape {array.shape}")
     if nonempty and array.size == 0:
         raise ValueError(f"{field}: expected at least one id, got none")
-    if array.size and (array.min() < 0 or array.max() > _INT32_MAX):
+    if array.size and (array.min() < 0 or (high is not None and array.max() > high)):
         bad = int(np.flatnonzero((array < 0) | (array > _INT32_MAX))[0])
         raise ValueError(
             f"{field}: expected ids in [0, {_INT32_MAX}], got {array[bad]} at index {bad}"
@@ -131,25 +123,22 @@ def _ids(field: str, value: Any, *, nonempty: bool = False) -> np.ndarray:
 
 def _likelihoods(field: str, value: Any, length: int) -> np.ndarray:
     """Finite float32 log-probabilities, one per sampled id."""
-    if type(value) is np.ndarray and value.dtype == _FLOAT32 and value.shape == (length,):
-        if not np.isfinite(value).all():  # float32 already: nothing to cast
-            bad = int(np.flatnonzero(~np.isfinite(value))[0])
-            raise ValueError(
-                f"{field}: expected finite float32 values, got {value[bad]} at index {bad}"
-            )
-        return _frozen(value)
-    array = np.asarray(value)
-    if array.size == 0 and array.ndim == 1 and array.dtype != np.bool_:
-        array = array.astype(np.float32)
-    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
-        raise TypeError(f"{field}: expected real log-probabilities, got dtype {array.dtype}")
+    array = value if type(value) is np.ndarray else np.asarray(value)
+    if array.dtype != _FLOAT32:  # float32 (what servers hand over) needs no cast
+        if array.size == 0 and array.ndim == 1 and array.dtype != np.bool_:
+            array = array.astype(np.float32)
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
+            raise TypeError(f"{field}: expected real log-probabilities, got dtype {array.dtype}")
     if array.shape != (length,):
         raise ValueError(
             f"{field}: expected one entry per sampled id, shape ({length},), got {array.shape}"
         )
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below
-        single = array.astype(np.float32, copy=False)
-    if not np.all(np.isfinite(single)):
+    if array.dtype == _FLOAT32:
+        single = array
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below
+            single = array.astype(np.float32)
+    if not np.isfinite(single).all():
         bad = int(np.flatnonzero(~np.isfinite(single))[0])
         raise ValueError(
             f"{field}: expected finite float32 values, got {array[bad]} at index {bad}"
