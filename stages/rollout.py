@@ -102,7 +102,8 @@ class Rollout(Stage):
         before any of its samples is submitted.
 
     Args:
-      source: where sessions come from (``submit``, ``cancel``, ``close``).
+      source: where sessions come from (``submit``, ``cancel``, ``close``). One with
+        ``submit_many`` gets each task batch, and each order's resubmissions, in one call.
       groups: samples each task needs (G).
       oversample: extra samples submitted per task (K); pack keeps the first G.
       ahead: task batches submitted beyond the one the trainer was handed (with
@@ -312,36 +313,69 @@ class Rollout(Stage):
             plan = Plan(batch, tuple(groups), ids, self.samples, version, replayed)
             ctx.put("plans", plan)  # before any result of the batch can reach pack
         self._batch_groups[batch] = groups
+        wanted = []
         for task, group in zip(tasks, groups, strict=True):
             self._tasks[group] = task
             for sample in range(self.samples):
                 entry = replays.get((group, sample))
                 if entry is None:
-                    self._submit(ctx, batch, group, sample, 0, version)
+                    wanted.append((batch, group, sample, 0))
                 else:
                     self._replay(batch, task, group, sample, entry)
+        self._submit(ctx, wanted, version)
 
     def _submit(
-        self, ctx: StageContext, batch: int, group: int, sample: int, attempt: int, version: int
+        self, ctx: StageContext, wanted: list[tuple[int, int, int, int]], version: int
     ) -> None:
-        task = self._tasks[group]
-        future = self.source.submit(task, group=group, sample=sample, attempt=attempt)
-        if not isinstance(future, cf.Future):
-            raise TypeError(
-                f"source.submit returned a {type(future).__name__} for task {task.id}; "
-                "expected a concurrent.futures.Future of a Session"
-            )
-        live = _Live(future, task, batch, group, sample, attempt, version, time.monotonic())
-        live.seq = self.submitted
+        """Submits ``(batch, group, sample, attempt)`` each under ``version``, in order.
 
-        def finished(_: cf.Future, live: _Live = live) -> None:
-            live.finished_at = time.monotonic()
-            self._finished.append(live.ticket)  # deque.append: safe from the source's thread
+        A source with ``submit_many`` gets them in one call (a server then sees the whole
+        batch at once); any other source one ``submit`` each.
+        """
+        if not wanted:
+            return
+        requests = [
+            (self._tasks[group], group, sample, attempt) for _, group, sample, attempt in wanted
+        ]
+        many = getattr(self.source, "submit_many", None)
+        if callable(many):
+            futures = many(requests)
+            if not isinstance(futures, list) or len(futures) != len(requests):
+                got = (
+                    f"a list of {len(futures)}"
+                    if isinstance(futures, list)
+                    else f"a {type(futures).__name__}"
+                )
+                raise TypeError(
+                    f"source.submit_many returned {got} for {len(requests)} requests; "
+                    "expected a list of one Future per request, in order"
+                )
+        else:
+            futures = [
+                self.source.submit(task, group=group, sample=sample, attempt=attempt)
+                for task, group, sample, attempt in requests
+            ]
+        now = time.monotonic()
+        finished_queue = self._finished
+        for (batch, group, sample, attempt), (task, *_), future in zip(
+            wanted, requests, futures, strict=True
+        ):
+            if not isinstance(future, cf.Future):
+                raise TypeError(
+                    f"the source returned a {type(future).__name__} for task {task.id}; "
+                    "expected a concurrent.futures.Future of a Session"
+                )
+            live = _Live(future, task, batch, group, sample, attempt, version, now)
+            live.seq = self.submitted
 
-        future.add_done_callback(finished)
-        ctx.track(future)
-        self._live[live.ticket] = live
-        self.submitted += 1
+            def finished(_: cf.Future, live: _Live = live) -> None:
+                live.finished_at = time.monotonic()
+                finished_queue.append(live.ticket)  # deque.append: safe from the source's thread
+
+            future.add_done_callback(finished)
+            ctx.track(future)
+            self._live[live.ticket] = live
+            self.submitted += 1
 
     def _claim(
         self, batch: int, tasks: list[Task], groups: list[int]
@@ -382,14 +416,16 @@ class Rollout(Stage):
     def _obey(self, ctx: StageContext, orders: Orders) -> None:
         self._final = self._final or orders.final
         # Resubmissions first: pack may order one and cancel it again in the same message.
+        wanted = []
         for order in orders.resubmit:
             if order.group not in self._tasks:
                 raise RuntimeError(
                     f"orders: resubmit group {order.group} of batch {order.batch}, which was "
                     "already released (pack and rollout disagree)"
                 )
-            version = self._version()
-            self._submit(ctx, order.batch, order.group, order.sample, order.attempt, version)
+            wanted.append((order.batch, order.group, order.sample, order.attempt))
+        if wanted:
+            self._submit(ctx, wanted, self._version())
         for ticket in orders.cancel:
             live = self._live.pop(tuple(ticket), None)
             if live is not None:

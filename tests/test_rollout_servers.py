@@ -361,6 +361,136 @@ def test_submit_from_a_done_callback_never_waits_for_the_server_itself(tiny):
         server.close()
 
 
+# ------------------------------------------------------------------ submitting many at once
+
+
+def test_submit_many_draws_what_submit_draws_and_takes_seeds_from_the_same_stream(tiny):
+    model, variables, _, _ = tiny
+    prompts, budgets = (P1, P2, P3, P2), 4
+
+    def draws(many, **seeds):
+        server = Server(model, variables, SAMPLING, seed=11, **OPTIONS)
+        try:
+            if many:
+                futures = server.submit_many(prompts, budgets, **seeds)
+            else:
+                given = seeds.get("seeds") or [None] * len(prompts)
+                futures = [
+                    server.submit(p, budgets, seed=s) for p, s in zip(prompts, given, strict=True)
+                ]
+            return [f.result(timeout=120) for f in futures]
+        finally:
+            server.close()
+
+    for seeds in ({}, {"seeds": [3, None, 5, None]}):  # the server's stream fills the Nones
+        one, many = draws(False, **seeds), draws(True, **seeds)
+        assert [d.seed for d in one] == [d.seed for d in many]
+        for a, b in zip(one, many, strict=True):
+            np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+            np.testing.assert_array_equal(a.sampled_ids, b.sampled_ids)
+            np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-6, rtol=0)
+    assert [d.seed for d in many][::2] == [3, 5]
+
+
+def test_submit_many_starts_an_idle_burst_in_one_prefill(tiny):
+    server = gated_with(tiny)  # no gathering window: single submits would start at once
+    try:
+        futures = server.submit_many([P1, P2, P3, P1], 3, seeds=[0, 1, 2, 3])
+        wait_for(lambda: server.parked == 1, what="the burst to start")
+        counters = server.counters()
+        assert (counters.prefills, counters.joined, counters.active) == (1, 4, 4)
+        server.permits.release(100)
+        assert [f.result(timeout=120).sampled_ids.size for f in futures] == [3, 3, 3, 3]
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
+def test_submit_many_larger_than_the_queue_waits_for_room_chunk_by_chunk(tiny):
+    model, variables, _, _ = tiny
+    server = GatedServer(model, variables, SAMPLING, queue=2, **OPTIONS)
+    try:
+        prompts = [P1, P2, P3] * 3  # 9 requests: 4 rows, then a queue of 2
+        got: list = []
+        caller = threading.Thread(
+            target=lambda: got.append(server.submit_many(prompts, 3, seeds=list(range(9))))
+        )
+        caller.start()
+        wait_for(lambda: server.parked == 1, what="the first four to start")
+        caller.join(timeout=0.3)
+        assert caller.is_alive() and not got  # blocked with the queue full, not past it
+        assert server.counters().waiting == 2
+        server.permits.release(10_000)
+        caller.join(timeout=120)
+        assert not caller.is_alive() and len(got[0]) == 9
+        assert [f.result(timeout=120).seed for f in got[0]] == list(range(9))
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
+def test_submit_many_refuses_bad_arguments_before_queueing_any(server):
+    before = server.counters()
+    with pytest.raises(TypeError, match=r"prompts\[1\]: prompt_ids has dtype float"):
+        server.submit_many([P1, [1.5, 2.0], P2], 3)
+    with pytest.raises(ValueError, match=r"seeds has 1 entries for 2 prompts"):
+        server.submit_many([P1, P2], 3, seeds=[4])
+    with pytest.raises(ValueError, match=r"seeds\[1\]: seed is -1"):
+        server.submit_many([P1, P2], 3, seeds=[4, -1])
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        server.submit_many([P1, P2], 0)
+    after = server.counters()
+    assert (after.finished, after.failed, after.waiting) == (
+        before.finished,
+        before.failed,
+        before.waiting,
+    )
+    # A prompt the server cannot serve fails its own future; the others are drawn.
+    good, bad, last = server.submit_many([P1, [0, 40], P2], 3, seeds=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"ids in \[0, 40\].*vocab_size"):
+        bad.result(timeout=5)
+    assert (
+        good.result(timeout=120).sampled_ids.size == last.result(timeout=120).sampled_ids.size == 3
+    )
+    assert server.counters().failed == before.failed + 1
+    assert server.submit_many([], 3) == []
+
+
+def test_submit_many_from_a_done_callback_never_waits_for_the_server_itself(tiny):
+    model, variables, _, _ = tiny
+    server = GatedServer(model, variables, SAMPLING, queue=1, **OPTIONS)
+    outcomes: list = []
+
+    def resubmit(future):  # the server thread: a full queue would wait for itself
+        try:
+            outcomes.append(server.submit_many([P3, P3], 2, seeds=[8, 9]))
+        except RuntimeError as error:
+            outcomes.append(error)
+
+    try:
+        first = server.submit(P3, 2, seed=7)
+        first.add_done_callback(resubmit)
+        server.permits.release(100)
+        first.result(timeout=120)
+        wait_for(lambda: len(outcomes) == 1, what="the callback")
+        assert isinstance(outcomes[0], RuntimeError) and "queue is full" in str(outcomes[0])
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
+def test_native_rollout_server_submits_many_through_its_server(tiny):
+    model, variables, _, _ = tiny
+    native = NativeRolloutServer(Server(model, variables, SAMPLING, **OPTIONS))
+    try:
+        futures = native.submit_many([P1, P2], 3, seeds=[5, 6])
+        alone = native.submit(P1, 3, seed=5).result(timeout=120)
+        np.testing.assert_array_equal(futures[0].result(timeout=120).sampled_ids, alone.sampled_ids)
+        assert futures[1].result(timeout=120).seed == 6
+    finally:
+        native.close()
+
+
 # ------------------------------------------------------------------ gathering a burst
 
 

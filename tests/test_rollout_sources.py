@@ -346,6 +346,87 @@ def test_a_server_that_refuses_the_request_breaks_the_source():
         assert source._pending == {}
 
 
+class BatchScripted(ScriptedServer):
+    """A scripted server that also takes a batch of draws in one call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def submit_many(self, prompts, max_new_tokens, *, seeds=None):
+        self.batches.append(len(prompts))
+        seeds = [None] * len(prompts) if seeds is None else seeds
+        return [self.submit(p, max_new_tokens, seed=s) for p, s in zip(prompts, seeds, strict=True)]
+
+
+OTHER = Task(8, {"prompt": np.array([3], np.int32), "ground_truth": "1", "extra_info": "x"})
+REQUESTS = [(TASK, 1, 0, 0), (OTHER, 2, 0, 0), (TASK, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["submit_many", "one-by-one"])
+def test_submit_many_is_submit_in_order(batched):
+    """One server call when the server takes batches, else one submit each; either way the
+    prompts, budgets and seeds are those of the same submits in order."""
+    single, many = ScriptedServer(), BatchScripted() if batched else ScriptedServer()
+    reward = Recorder(lambda text: float(text == "4 9"))
+    with (
+        PromptSource(single, reward, max_new_tokens=4) as one,
+        PromptSource(many, reward, max_new_tokens=4) as both,
+    ):
+        for task, group, sample, attempt in REQUESTS:
+            one.submit(task, group=group, sample=sample, attempt=attempt)
+        futures = both.submit_many(REQUESTS)
+        assert [r[:3] for r in many.requests] == [r[:3] for r in single.requests]
+        assert [r[0] for r in many.requests] == [[5, 6], [3], [5, 6]]
+        if batched:
+            assert many.batches == [3]
+        for (prompt, *_, future), sampled in zip(
+            many.requests, ([4, 9, EOS], [1], [7]), strict=True
+        ):
+            future.set_result(
+                draw(sampled, "stop" if sampled[-1] == EOS else "length", prompt=prompt)
+            )
+        sessions = [f.result(timeout=10) for f in futures]
+        assert both.submit_many([]) == []
+    assert [(s.task, s.group, s.sample, s.attempt) for s in sessions] == [
+        (t.id, g, k, a) for t, g, k, a in REQUESTS
+    ]
+    assert [s.status for s in sessions] == [Status.COMPLETED, Status.TRUNCATED, Status.TRUNCATED]
+    assert [s.reward for s in sessions] == [1.0, 0.0, 0.0]
+
+
+def test_submit_many_refuses_a_bad_request_before_submitting_any():
+    server = BatchScripted()
+    with PromptSource(server, Recorder(), max_new_tokens=4) as source:
+        with pytest.raises(TypeError, match=r"requests\[1\] is \(7, 0\); expected a \(task"):
+            source.submit_many([REQUESTS[0], (7, 0)])
+        with pytest.raises(ValueError, match=r"requests\[2\]: sample is -1"):
+            source.submit_many([*REQUESTS[:2], (TASK, 0, -1, 0)])
+        with pytest.raises(TypeError, match=r"requests\[0\]: .*expected a sessions.Task"):
+            source.submit_many([({"prompt": [1]}, 0, 0, 0)])
+        assert server.requests == [] and source._pending == {}
+
+
+def test_submit_many_that_the_server_refuses_breaks_the_source_and_cancels_what_it_queued():
+    class Refusing(BatchScripted):
+        def submit_many(self, prompts, max_new_tokens, *, seeds=None):
+            raise RuntimeError("the rollout server is closed")
+
+    class RefusesTheSecond(ScriptedServer):  # no submit_many: one submit each
+        def submit(self, prompt_ids, max_new_tokens, *, seed=None):
+            if self.requests:
+                raise RuntimeError("the rollout server is closed")
+            return super().submit(prompt_ids, max_new_tokens, seed=seed)
+
+    for server in (Refusing(), RefusesTheSecond()):
+        with PromptSource(server, Recorder(), max_new_tokens=4) as source:
+            with pytest.raises(RuntimeError, match="rollout server is closed"):
+                source.submit_many(REQUESTS)
+            assert source._pending == {}
+            assert all(r[3].cancelled() for r in server.requests)
+    assert len(server.requests) == 1  # the draw queued before the refusal, now cancelled
+
+
 def test_prompt_source_is_exported_where_the_spec_names_it():
     import dew_pipe.objectives.rl as rl
 

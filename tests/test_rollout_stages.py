@@ -202,6 +202,68 @@ def test_stages_wired_by_hand_run_to_the_end_with_retries_over_the_feedback_edge
     assert snapshot.dropped == 0
 
 
+class BatchSource(FakeSource):
+    """A FakeSource that also takes a list of submissions in one call."""
+
+    def __init__(self, *args, reply=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[int] = []
+        self.reply = reply
+
+    def submit_many(self, requests):
+        self.calls.append(len(requests))
+        futures = [
+            self.submit(task, group=group, sample=sample, attempt=attempt)
+            for task, group, sample, attempt in requests
+        ]
+        return futures if self.reply is None else self.reply(futures)
+
+
+def test_a_source_with_submit_many_gets_each_batch_and_each_order_in_one_call():
+    def script(s):  # attempt 0 of odd samples fails: pack orders them again
+        return Outcome(
+            delay=0.002,
+            status="INFRA_ERROR" if s.attempt == 0 and s.sample % 2 else "COMPLETED",
+            reward=1.0,
+        )
+
+    runs = {}
+    for name, source in (
+        ("one-by-one", FakeSource(FakeWeights(), script)),
+        ("many", BatchSource(FakeWeights(), script)),
+    ):
+        tasks = [[Task(i), Task(i + 10)] for i in range(3)]
+        p, got, records = _standalone(source, tasks)
+        p.run(timeout=30)
+        source.close()
+        runs[name] = (source, got, records)
+    single, many = runs["one-by-one"][0], runs["many"][0]
+    ordered = lambda src: sorted((r.task, r.sample, r.attempt) for r in src.submitted)  # noqa: E731
+    assert ordered(single) == ordered(many) and len(many.submitted) == 18
+    # each batch of 2 tasks x 2 samples in one call, then each order's resubmissions
+    assert many.calls[:1] == [4] and sum(many.calls) == 18 and len(many.calls) < 18
+    assert [r.admitted_sessions for r in runs["many"][2]] == [4, 4, 4]
+    assert [r.resubmitted for r in runs["many"][2]] == [
+        r.resubmitted for r in runs["one-by-one"][2]
+    ]
+
+
+@pytest.mark.parametrize(
+    "reply, message",
+    [
+        (lambda futures: futures[:-1], "returned a list of 3 for 4 requests"),
+        (tuple, "returned a tuple for 4 requests"),
+        (lambda futures: [*futures[:-1], "done"], "returned a str for task 10"),
+    ],
+)
+def test_a_submit_many_that_answers_wrongly_stops_the_rollout_naming_it(reply, message):
+    source = BatchSource(FakeWeights(), reply=reply)
+    p, _, _ = _standalone(source, [[Task(0), Task(10)]])
+    with pytest.raises(StageFailed, match=message):
+        p.run(timeout=30)
+    source.close()
+
+
 def test_a_stage_that_raises_in_a_user_graph_stops_it_naming_the_stage():
     weights = FakeWeights()
     source = FakeSource(weights, lambda s: Outcome(raises=OSError("disk full")))

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import hashlib
 import math
 import numbers
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,29 +164,71 @@ class PromptSource:
             RuntimeError: the source is closed, or the server refuses the request (closed or
                 failed: a broken source, not a failed sample).
         """
-        last = self._last_payload  # a group's samples come one after another
-        if last is not None and last[0] is task:
-            prompt, metadata = last[1], last[2]
-        else:
-            prompt, metadata = _payload(task)
-            self._last_payload = (task, prompt, metadata)
-        group = check_int("group", group)
-        sample = check_int("sample", sample, minimum=0)
-        attempt = check_int("attempt", attempt, minimum=0)
-        entry = _Pending(task, metadata, group, sample, attempt)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the PromptSource is closed")
-            self._pending[entry.future] = entry
-        seed = _seed(self.seed, task.id, group, sample, attempt)
+        entry, prompt, seed = self._entry(task, group, sample, attempt)
+        self._register([entry])
         try:
             entry.draw = self.server.submit(prompt, self.max_new_tokens, seed=seed)
         except BaseException:
-            with self._lock:
-                self._pending.pop(entry.future, None)
+            self._forget([entry])
             raise
         entry.draw.add_done_callback(lambda draw: self._drawn(entry, draw))
         return entry.future
+
+    def submit_many(
+        self, requests: Sequence[tuple[Task, int, int, int]]
+    ) -> list[cf.Future[Session]]:
+        """`submit` for each ``(task, group, sample, attempt)`` in order, queued together.
+
+        The draws reach the server in one ``submit_many`` call when it has one (a
+        `NativeRolloutServer` does), so a task batch starts in full prefills and the
+        per-request cost is lower; otherwise one ``submit`` each. The sessions are the
+        ones `submit` would give (the same seeds).
+
+        Returns:
+            One future session per request, in order.
+
+        Raises:
+            TypeError / ValueError: a request that is not a 4-tuple, a task without prompt
+                ids, bad identity fields (named by index); nothing is submitted then.
+            RuntimeError: the source is closed, or the server refuses the requests; the
+                draws already queued are cancelled.
+        """
+        entries, prompts, seeds = [], [], []
+        for i, request in enumerate(requests):
+            if not isinstance(request, tuple) or len(request) != 4:
+                raise TypeError(
+                    f"requests[{i}] is {request!r}; expected a (task, group, sample, attempt) tuple"
+                )
+            try:
+                entry, prompt, seed = self._entry(*request)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"requests[{i}]: {error}") from None
+            entries.append(entry)
+            prompts.append(prompt)
+            seeds.append(seed)
+        self._register(entries)
+        many = getattr(self.server, "submit_many", None)
+        draws: list[cf.Future[Draw]] = []
+        try:
+            if callable(many):
+                draws = many(prompts, self.max_new_tokens, seeds=seeds)
+                if len(draws) != len(entries):
+                    raise RuntimeError(
+                        f"server.submit_many returned {len(draws)} futures for "
+                        f"{len(entries)} prompts"
+                    )
+            else:
+                for prompt, seed in zip(prompts, seeds, strict=True):
+                    draws.append(self.server.submit(prompt, self.max_new_tokens, seed=seed))
+        except BaseException:
+            for draw in draws:
+                draw.cancel()
+            self._forget(entries)
+            raise
+        for entry, draw in zip(entries, draws, strict=True):
+            entry.draw = draw
+            draw.add_done_callback(functools.partial(self._drawn, entry))
+        return [entry.future for entry in entries]
 
     def cancel(self, future: cf.Future[Session]) -> None:
         """Stops the session behind ``future``; it resolves CANCELLED at once.
@@ -218,6 +261,34 @@ class PromptSource:
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _entry(
+        self, task: Task, group: int, sample: int, attempt: int
+    ) -> tuple[_Pending, np.ndarray, int]:
+        """A checked submission: its pending entry, prompt ids and draw seed."""
+        last = self._last_payload  # a group's samples come one after another
+        if last is not None and last[0] is task:
+            prompt, metadata = last[1], last[2]
+        else:
+            prompt, metadata = _payload(task)
+            self._last_payload = (task, prompt, metadata)
+        group = check_int("group", group)
+        sample = check_int("sample", sample, minimum=0)
+        attempt = check_int("attempt", attempt, minimum=0)
+        entry = _Pending(task, metadata, group, sample, attempt)
+        return entry, prompt, _seed(self.seed, task.id, group, sample, attempt)
+
+    def _register(self, entries: list[_Pending]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the PromptSource is closed")
+            for entry in entries:
+                self._pending[entry.future] = entry
+
+    def _forget(self, entries: list[_Pending]) -> None:
+        with self._lock:
+            for entry in entries:
+                self._pending.pop(entry.future, None)
 
     def _drawn(self, entry: _Pending, draw: cf.Future[Draw]) -> None:
         """Runs on the server's thread: hands the finished draw to the scoring pool."""

@@ -278,33 +278,105 @@ class Server:
                 thread's exception).
         """
         budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
-        prompt = prompt_array(prompt_ids)
-        seed = request_seed(seed)
-        future: Future[Draw] = Future()
+        return self._enqueue([prompt_array(prompt_ids)], budget, [request_seed(seed)])[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        max_new_tokens: int,
+        *,
+        seeds: Sequence[int | None] | None = None,
+    ) -> list[Future[Draw]]:
+        """Queues several draws at once; the same as `submit` on each in order, cheaper.
+
+        The requests enter the queue under one lock (in chunks, when they do not fit its
+        room), so an idle server sees them together: a burst starts in full prefills
+        instead of one or two rows at a time, and the thread is woken once per chunk, not
+        once per request. Draws, seeds taken from the server's stream and version stamps
+        are those of the same calls to `submit`.
+
+        Args:
+            prompts: the prompts, each 1-D integer ids.
+            max_new_tokens: the budget of every draw (>= 1).
+            seeds: one per prompt (entries ``[0, 2**32)`` or None); None: every draw takes
+                the next seed of the server's stream.
+
+        Returns:
+            One future `Draw` per prompt, in order; each fails as `submit`'s would.
+
+        Raises:
+            TypeError / ValueError: a bad budget, a prompt of a non-integer dtype, a bad
+                seed, or ``seeds`` of another length; nothing is queued then.
+            RuntimeError: the server is closed or failed; or a full queue, when called
+                from the server's own thread (a draw's done callback).
+
+        Example:
+            >>> futures = server.submit_many([[5, 9, 3], [7, 1]], 16, seeds=[0, 1])  # doctest: +SKIP
+            >>> [f.result().sampled_ids for f in futures]   # doctest: +SKIP
+        """
+        budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
+        arrays = []
+        for i, ids in enumerate(prompts):
+            try:
+                arrays.append(prompt_array(ids))
+            except TypeError as error:
+                raise TypeError(f"prompts[{i}]: {error}") from None
+        if seeds is None:
+            checked: list[int | None] = [None] * len(arrays)
+        else:
+            seeds = list(seeds)
+            if len(seeds) != len(arrays):
+                raise ValueError(
+                    f"seeds has {len(seeds)} entries for {len(arrays)} prompts; expected one "
+                    "per prompt (or seeds=None)"
+                )
+            checked = []
+            for i, seed in enumerate(seeds):
+                try:
+                    checked.append(request_seed(seed))
+                except ValueError as error:
+                    raise ValueError(f"seeds[{i}]: {error}") from None
+        return self._enqueue(arrays, budget, checked)
+
+    def _enqueue(
+        self, prompts: list[np.ndarray], budget: int, seeds: list[int | None]
+    ) -> list[Future[Draw]]:
+        """Queues checked requests in order, waiting for room while the queue is full."""
+        futures: list[Future[Draw]] = [Future() for _ in prompts]
         with self._cond:
             self._check_open()
-            problem = prompt_problem(prompt, budget, self._vocab, self.capacity)
-            if problem is not None:
-                self._counts["failed"] += 1
-                future.set_exception(ValueError(problem))
-                return future
-            while len(self._waiting) >= self.queue:
-                if threading.current_thread() is self._thread:  # a draw's done callback
-                    raise RuntimeError(
-                        f"the rollout server's queue is full ({self.queue} requests) and "
-                        "submit was called from the server's own thread, which cannot wait "
-                        "for itself to make room"
-                    )
-                self._cond.wait()
-                self._check_open()
-            if seed is None:
-                seed = int(self._seeds.integers(SEED_LIMIT))
-            request = Request(future, prompt, budget, seed, self._version)
-            request.arrived = time.monotonic()
-            self._waiting.append(request)
-            self._cond.notify_all()
-        future.add_done_callback(self._on_done)
-        return future
+            added = False
+            for future, prompt, seed in zip(futures, prompts, seeds, strict=True):
+                problem = prompt_problem(prompt, budget, self._vocab, self.capacity)
+                if problem is not None:
+                    self._counts["failed"] += 1
+                    future.set_exception(ValueError(problem))
+                    continue
+                if len(self._waiting) >= self.queue:
+                    if threading.current_thread() is self._thread:  # a draw's done callback
+                        raise RuntimeError(
+                            f"the rollout server's queue is full ({self.queue} requests) "
+                            "and submit was called from the server's own thread, which "
+                            "cannot wait for itself to make room"
+                        )
+                    if added:
+                        self._cond.notify_all()
+                        added = False
+                    while len(self._waiting) >= self.queue:
+                        self._cond.wait()
+                        self._check_open()
+                if seed is None:
+                    seed = int(self._seeds.integers(SEED_LIMIT))
+                request = Request(future, prompt, budget, seed, self._version)
+                request.arrived = time.monotonic()
+                self._waiting.append(request)
+                added = True
+            if added:
+                self._cond.notify_all()
+        for future in futures:
+            if not future.done():
+                future.add_done_callback(self._on_done)
+        return futures
 
     def reload(
         self, variables: Any, version: int | None = None, *, wait: bool = True

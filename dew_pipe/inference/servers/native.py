@@ -64,6 +64,16 @@ class NativeRolloutServer:
         """Queues one draw; see `Server.submit` (cancel the future to stop it)."""
         return self.server.submit(prompt_ids, max_new_tokens, seed=seed)
 
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        max_new_tokens: int,
+        *,
+        seeds: Sequence[int | None] | None = None,
+    ) -> list[Future[Draw]]:
+        """Queues several draws together; see `Server.submit_many`."""
+        return self.server.submit_many(prompts, max_new_tokens, seeds=seeds)
+
     def load(self, variables: Any, version: int) -> Future[int]:
         """Serves ``variables`` as ``version`` from the next decode step on, without waiting.
 

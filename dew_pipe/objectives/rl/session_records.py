@@ -445,6 +445,11 @@ class SessionSource(Protocol):
     opportunity; its future then resolves to a CANCELLED session. ``close`` releases what the
     source holds (threads, environments); submissions after it fail.
 
+    A source may also offer ``submit_many(requests)``: a list of ``(task, group, sample,
+    attempt)`` tuples in, one future per request out, in order, as ``submit`` on each would
+    give. It is optional (not part of the protocol's check); the rollout stage hands it a
+    whole task batch when it is there (`dew_pipe.inference.PromptSource` has one).
+
     Example:
         >>> import concurrent.futures as cf
         >>> class Echo:
