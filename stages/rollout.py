@@ -118,6 +118,12 @@ class Rollout(Stage):
       owns_source: close the source when the stage closes.
       journal: replay the journaled sessions of a resumed run instead of submitting those
         samples (needs ``handover`` with the trainer's ``position``); None never does.
+      emit_rows: finished sessions gathered before they go out on ``sessions`` together
+        (each batch crossing to pack costs a fixed conversion, so a few large ones cost
+        far less than many small ones). A batch goes out before that once the last running
+        sample of a task batch finished, once nothing else runs, or once its oldest session
+        waited ``linger`` seconds. 1 puts out whatever finished at once.
+      linger: the longest a finished session waits to be put out (seconds >= 0).
       name: the stage's name.
 
     Attributes:
@@ -164,6 +170,8 @@ class Rollout(Stage):
         group_ids: Iterator[int] | None = None,
         owns_source: bool = False,
         journal: Journal | None = None,
+        emit_rows: int = 256,
+        linger: float = 0.05,
         name: str = "rollout",
     ) -> None:
         super().__init__(
@@ -198,6 +206,8 @@ class Rollout(Stage):
             raise TypeError(f"journal={journal!r}; expected None or a Journal")
         self.owns_source = owns_source
         self.journal = journal
+        self.emit_rows = check_int("emit_rows", emit_rows, minimum=1)
+        self.linger = check_float("linger", linger, minimum=0.0)
         self.submitted = 0
         self.replayed = 0
 
@@ -214,6 +224,8 @@ class Rollout(Stage):
         self._served = 0
         # Sessions that finished without the source: our own cancellations, and replays.
         self._reported: list[tuple[Session, Stamps]] = []
+        self._ready: list[_Live] = []  # finished, not yet put out (see emit_rows)
+        self._running: collections.Counter[int] = collections.Counter()  # batch -> live
         self._final = False  # pack said no order follows
         self._position: int | None = None  # the trainer's position at batch 0 (journal)
         self._resumed_at = 0  # the trainer's version at batch 0 (journal)
@@ -233,8 +245,9 @@ class Rollout(Stage):
         paced = ctx.connected("handover")
         while True:
             self._expire()
-            self._emit(ctx)
-            if paced and ctx.ended("handover"):
+            ending = paced and ctx.ended("handover")
+            self._emit(ctx, flush=ending)
+            if ending:
                 self._last_orders(ctx)
                 return  # nobody trains on anything else; close() cancels what runs
             ports = [p for p in ("orders", "handover") if ctx.connected(p) and not ctx.ended(p)]
@@ -250,7 +263,7 @@ class Rollout(Stage):
                 self._await(ctx)
                 continue
             try:
-                got = ctx.get_any(ports, timeout=self._until_deadline())
+                got = ctx.get_any(ports, timeout=self._wait_s())
             except EndOfStream:
                 continue
             if got is None:
@@ -283,7 +296,8 @@ class Rollout(Stage):
     def _await(self, ctx: StageContext) -> None:
         """Every input has ended: wait for a live future (or a deadline) to finish."""
         futures = [live.future for live in self._live.values()]
-        wait = _POLL_S if self.timeout is None else min(_POLL_S, self._until_deadline() or 0.0)
+        left = self._wait_s()
+        wait = _POLL_S if left is None else min(_POLL_S, left)
         done, _ = cf.wait(futures, timeout=max(wait, 0.001), return_when=cf.FIRST_COMPLETED)
         if not done and ctx.cancelled:
             raise Cancelled()
@@ -375,6 +389,7 @@ class Rollout(Stage):
             future.add_done_callback(finished)
             ctx.track(future)
             self._live[live.ticket] = live
+            self._running[batch] += 1
             self.submitted += 1
 
     def _claim(
@@ -427,7 +442,7 @@ class Rollout(Stage):
         if wanted:
             self._submit(ctx, wanted, self._version())
         for ticket in orders.cancel:
-            live = self._live.pop(tuple(ticket), None)
+            live = self._drop(tuple(ticket))
             if live is not None:
                 self.source.cancel(live.future)
         for batch in orders.release:
@@ -435,7 +450,7 @@ class Rollout(Stage):
             for group in groups:
                 self._tasks.pop(group, None)
             for ticket in [t for t, live in self._live.items() if live.group in groups]:
-                self.source.cancel(self._live.pop(ticket).future)
+                self.source.cancel(self._drop(ticket).future)
 
     def _hand(self, handover: Handover) -> None:
         if self.journal is not None and self._position is None:
@@ -454,7 +469,7 @@ class Rollout(Stage):
         for ticket, live in list(self._live.items()):
             lag = handover.version - live.version
             if lag > self.max_lag and not live.future.done():
-                del self._live[ticket]
+                self._drop(ticket)
                 self.source.cancel(live.future)
                 detail = (
                     f"cancelled running: submitted under version {live.version}, the trainer "
@@ -468,12 +483,20 @@ class Rollout(Stage):
         now = time.monotonic()
         for ticket, live in list(self._live.items()):
             if now - live.submitted_at >= self.timeout and not live.future.done():
-                del self._live[ticket]
+                self._drop(ticket)
                 self.source.cancel(live.future)
                 detail = (
                     f"timed out: still running {now - live.submitted_at:.3f} s after submission"
                 )
                 self._reported.append(self._cancelled(live, "timeout", detail))
+
+    def _wait_s(self) -> float | None:
+        """How long the loop may block: until the next timeout or the end of a linger."""
+        deadline, linger = self._until_deadline(), self._linger_left()
+        if linger == float("inf"):
+            return deadline
+        linger = max(0.0, linger)
+        return linger if deadline is None else min(deadline, linger)
 
     def _until_deadline(self) -> float | None:
         if self.timeout is None or not self._live:
@@ -520,14 +543,46 @@ class Rollout(Stage):
         end = live.finished_at if live.finished_at is not None else time.monotonic()
         return session, Stamps(live.batch, live.version, end - live.submitted_at, "", live.task)
 
-    def _emit(self, ctx: StageContext) -> None:
-        out, self._reported = self._reported, []
-        done = []
+    def _drop(self, ticket: tuple[int, int, int]) -> _Live | None:
+        """Forgets a live submission (finished, cancelled or released)."""
+        live = self._live.pop(ticket, None)
+        if live is not None:
+            left = self._running[live.batch] - 1
+            if left:
+                self._running[live.batch] = left
+            else:
+                del self._running[live.batch]
+        return live
+
+    def _emit(self, ctx: StageContext, *, flush: bool = False) -> None:
+        """Puts out what finished: our own reports at once, finished sessions in batches of
+        ``emit_rows`` (sooner when a task batch's last sample finished, when nothing else
+        runs, when the oldest waited ``linger``, or with ``flush``)."""
+        completes = False
         while self._finished:
-            live = self._live.pop(self._finished.popleft(), None)
+            live = self._drop(self._finished.popleft())
             if live is not None:
-                done.append(live)
-        done.sort(key=lambda live: live.seq)
-        out.extend(self._result(live) for live in done)
+                self._ready.append(live)
+                completes = completes or live.batch not in self._running
+        ready = self._ready
+        if ready and not (
+            flush
+            or completes
+            or self._reported
+            or len(ready) >= self.emit_rows
+            or not self._live
+            or self._linger_left() <= 0
+        ):
+            return
+        out, self._reported, self._ready = self._reported, [], []
+        ready.sort(key=lambda live: live.seq)
+        out.extend(self._result(live) for live in ready)
         if out:
             ctx.put("sessions", stamp_sessions([s for s, _ in out], [st for _, st in out]))
+
+    def _linger_left(self) -> float:
+        """Seconds until the first finished session waiting to go out has lingered enough
+        (inf when none waits). The ready list is in finishing order."""
+        if not self._ready:
+            return float("inf")
+        return (self._ready[0].finished_at or 0.0) + self.linger - time.monotonic()

@@ -264,6 +264,71 @@ def test_a_submit_many_that_answers_wrongly_stops_the_rollout_naming_it(reply, m
     source.close()
 
 
+def _emitted(script, tasks, **options):
+    """Session batches a lone Rollout puts out, with the seconds after the start each came."""
+    import time
+
+    source = FakeSource(FakeWeights(), script)
+    got, start = [], time.monotonic()
+    p = Pipeline("emit")
+    p.chain(
+        Source("tasks", [task_batch(t) for t in tasks], output_type=TASKS_SCHEMA),
+        Rollout(source, groups=4, **options),
+        Sink(
+            "keep", lambda rb: got.append((time.monotonic() - start, rb)), input_type=SESSION_ROWS
+        ),
+        capacity=4,
+    )
+    p.run(timeout=30)
+    source.close()
+    return [(at, [(s.task, s.sample) for s in unstamp_sessions(rb)[0]]) for at, rb in got]
+
+
+def staggered(s):  # samples of a task finish one after another; task 2 starts later
+    return Outcome(delay=0.01 * (s.sample + 1) + (0.3 if s.task == 2 else 0.0))
+
+
+def test_finished_sessions_go_out_together_once_their_task_batch_is_done():
+    tasks = [[Task(0), Task(1)], [Task(2)]]
+    batches = _emitted(staggered, tasks, linger=5.0)  # no linger bound: only batch ends
+    # gathering up to 256 (the default): one session batch per task batch, in order
+    assert [rows for _, rows in batches] == [
+        [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)],
+        [(2, 0), (2, 1), (2, 2), (2, 3)],
+    ]
+    # emit_rows=1 puts out whatever finished at once: the staggered samples come apart
+    each = _emitted(staggered, tasks, emit_rows=1)
+    assert len(each) > 2 and sorted(r for _, rows in each for r in rows) == sorted(
+        r for _, rows in batches for r in rows
+    )
+    # emit_rows=3: batches of three as they finish, and the rest of a task batch at its end
+    threes = _emitted(staggered, [[Task(0), Task(1)]], emit_rows=3, linger=5.0)
+    assert all(len(rows) >= 3 for _, rows in threes[:-1]) and len(threes) >= 2
+
+
+def test_a_slow_sample_holds_the_finished_ones_back_at_most_linger_seconds():
+    def slow_last(s):
+        return Outcome(delay=1.5 if s.sample == 3 else 0.0)
+
+    (first_at, first), (last_at, last) = _emitted(slow_last, [[Task(0)]], linger=0.1)
+    assert first == [(0, 0), (0, 1), (0, 2)] and last == [(0, 3)]
+    assert first_at < 1.0 <= last_at  # the fast three did not wait for the slow one
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(emit_rows=0), "emit_rows is 0"),
+        (dict(emit_rows=2.5), "emit_rows is 2.5"),
+        (dict(linger=-0.1), "linger is -0.1"),
+        (dict(linger=float("nan")), "linger is nan"),
+    ],
+)
+def test_bad_emit_options_are_refused(options, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Rollout(FakeSource(FakeWeights()), groups=2, **options)
+
+
 def test_a_stage_that_raises_in_a_user_graph_stops_it_naming_the_stage():
     weights = FakeWeights()
     source = FakeSource(weights, lambda s: Outcome(raises=OSError("disk full")))
