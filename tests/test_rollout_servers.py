@@ -99,6 +99,36 @@ def test_draws_carry_the_raw_and_behavior_likelihoods_of_an_uncached_reference(s
     assert counters.finished >= len(jobs) and counters.active == 0 and counters.waiting == 0
 
 
+def test_draws_from_the_server_are_read_only_arrays_of_the_checked_dtypes(server):
+    draw = server.submit(P1, 4, seed=2).result(timeout=120)
+    arrays = (draw.prompt_ids, draw.sampled_ids, draw.behavior_log_probs, draw.log_probs)
+    assert [a.dtype for a in arrays] == [np.int32, np.int32, np.float32, np.float32]
+    assert [a.shape for a in arrays] == [(6,), (4,), (4,), (4,)]
+    assert not any(a.flags.writeable for a in arrays)
+    rebuilt = Draw(
+        draw.prompt_ids.tolist(),
+        draw.sampled_ids.tolist(),
+        draw.behavior_log_probs.tolist(),
+        draw.finish_reason,
+        draw.version,
+        draw.submitted_version,
+        log_probs=draw.log_probs.tolist(),
+        seed=draw.seed,
+    )  # what the checked constructor makes of the same values
+    for name in ("prompt_ids", "sampled_ids", "behavior_log_probs", "log_probs"):
+        np.testing.assert_array_equal(getattr(draw, name), getattr(rebuilt, name))
+    assert (draw.finish_reason, draw.version, draw.routed_experts) == (
+        rebuilt.finish_reason,
+        rebuilt.version,
+        None,
+    )
+    assert len(draw.support) == 4  # this server records each id's kept ids
+    assert all(k.dtype == np.int32 and not k.flags.writeable for k in draw.support)
+    call = draw.call()
+    np.testing.assert_array_equal(call.sampled_ids, draw.sampled_ids)
+    assert call.version == draw.version
+
+
 def test_a_seed_fixes_the_draw_whatever_shares_the_batch(server):
     alone = server.submit(P1, 10, seed=11).result(timeout=120)
     mates = [server.submit(P2, 12, seed=s) for s in (1, 2)]

@@ -248,6 +248,33 @@ def test_each_draw_is_scored_as_it_finishes_on_the_pool(scripted):
     assert order == ["2", "1", "3"]
 
 
+def test_a_wave_of_finished_draws_is_scored_by_at_most_workers_jobs():
+    """Draws finishing together queue for the pool's jobs, each of which scores until the
+    queue is empty; a draw finishing after every job has ended starts a new one."""
+    server, running, peak = ScriptedServer(), [0], [0]
+    lock = threading.Lock()
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        threading.Event().wait(0.002)
+        with lock:
+            running[0] -= 1
+        return float(completion)
+
+    with PromptSource(server, reward, max_new_tokens=4, workers=3) as source:
+        futures = [source.submit(TASK, group=0, sample=k, attempt=0) for k in range(60)]
+        for k, (*_, future) in enumerate(server.requests):
+            future.set_result(draw([k], "length"))
+        assert [f.result(timeout=30).reward for f in futures] == [float(k) for k in range(60)]
+        assert peak[0] <= 3 and len(source._pool._threads) <= 3
+        assert source._drainers == 0 and not source._arrived  # every job ended
+        late = source.submit(TASK, group=1, sample=0, attempt=0)
+        server.requests[-1][3].set_result(draw([7], "length"))
+        assert late.result(timeout=10).reward == 7.0
+
+
 # ------------------------------------------------------------------ cancel and close
 
 

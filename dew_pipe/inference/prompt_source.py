@@ -20,6 +20,7 @@ metadata reads as ""); a plain id sequence is a prompt without metadata.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import functools
@@ -151,6 +152,11 @@ class PromptSource:
         self.seed = check_int("seed", seed)
         self._pool = WorkerPool(self.workers, name="prompt-reward")  # daemons: see _pool
         self._lock = threading.Lock()
+        # Finished draws waiting to be scored, and how many pool jobs drain them (under
+        # _lock): a job scores until the queue is empty, so a wave of draws finishing
+        # together costs a few pool submissions, not one each.
+        self._arrived: collections.deque[tuple[_Pending, cf.Future[Draw]]] = collections.deque()
+        self._drainers = 0
         self._pending: dict[cf.Future, _Pending] = {}
         self._closed = False
         # The task last submitted, with its prompt and metadata: read once per group.
@@ -291,12 +297,30 @@ class PromptSource:
                 self._pending.pop(entry.future, None)
 
     def _drawn(self, entry: _Pending, draw: cf.Future[Draw]) -> None:
-        """Runs on the server's thread: hands the finished draw to the scoring pool."""
+        """Runs on the server's thread: queues the finished draw for the scoring pool."""
         if entry.future.done():
             return
+        self._arrived.append((entry, draw))
+        with self._lock:
+            if self._drainers >= self.workers:
+                return  # a running job will reach it
+            self._drainers += 1
         try:
-            self._pool.submit(self._score, entry, draw)
+            self._pool.submit(self._drain)
         except RuntimeError:  # the pool is shut down: close() is cancelling everything
+            self._drain()
+
+    def _drain(self) -> None:
+        """A scoring job: scores queued draws until none is left."""
+        while True:
+            try:
+                entry, draw = self._arrived.popleft()
+            except IndexError:
+                with self._lock:
+                    if not self._arrived:  # one queued after the pop is seen here
+                        self._drainers -= 1
+                        return
+                continue
             self._score(entry, draw)
 
     def _score(self, entry: _Pending, draw: cf.Future[Draw]) -> None:

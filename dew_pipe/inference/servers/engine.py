@@ -62,7 +62,7 @@ from dew_pipe.inference.servers.engine_setup import (
     signature,
     variables_of,
 )
-from dew_pipe.inference.servers.interface import Draw
+from dew_pipe.inference.servers.interface import Draw, server_draw
 from dew_pipe.sampling import Sampling
 
 __all__ = ["Server", "ServerCounters", "ServeTask"]
@@ -182,6 +182,7 @@ class Server:
         self.gather_s = float(gather_s)
         self._vocab = int(model.config.vocab_size)
         self._eos = np.asarray(sampling.eos_ids, np.int32)
+        self._eos_ids = frozenset(int(e) for e in self._eos)  # per-draw checks, no numpy
         # this process's first device: on a multi-process job jax.devices()[0] may be another's
         device = jax.local_devices()[0] if device is None else device
         if not isinstance(device, jax.Device):
@@ -690,22 +691,23 @@ class Server:
         self._finish(finished)
 
     def _done(self, req: Request) -> bool:
-        last = int(req.ids[-1][-1])
-        return req.count >= req.budget or bool(np.any(self._eos == last))
+        return req.count >= req.budget or int(req.ids[-1][-1]) in self._eos_ids
 
     def _finish(self, requests: list[Request]) -> None:
         """Resolves finished requests (outside the lock: callbacks run here)."""
         for req in requests:
-            ids = np.concatenate(req.ids).astype(np.int32)
-            stopped = bool(np.any(self._eos == ids[-1]))
-            draw = Draw(
-                prompt_ids=req.prompt,
-                sampled_ids=ids,
-                behavior_log_probs=np.concatenate(req.behavior),
-                finish_reason="stop" if stopped else "length",
-                version=req.version,
-                submitted_version=req.submitted_version,
-                log_probs=np.concatenate(req.log_probs),
+            ids = np.concatenate(req.ids)
+            stopped = int(ids[-1]) in self._eos_ids
+            # The arrays are the server's own (int32 ids, float32 likelihoods of one length
+            # each), so the draw skips the checks a caller-built Draw goes through.
+            draw = server_draw(
+                req.prompt,
+                ids,
+                np.concatenate(req.behavior),
+                "stop" if stopped else "length",
+                req.version,
+                req.submitted_version,
+                np.concatenate(req.log_probs),
                 support=tuple(req.support) if self.record_support else None,
                 seed=req.seed,
             )

@@ -175,6 +175,46 @@ class Draw:
         )
 
 
+def server_draw(
+    prompt_ids: np.ndarray,
+    sampled_ids: np.ndarray,
+    behavior_log_probs: np.ndarray,
+    finish_reason: str,
+    version: int,
+    submitted_version: int,
+    log_probs: np.ndarray | None = None,
+    *,
+    support: tuple[np.ndarray, ...] | None = None,
+    seed: int | None = None,
+) -> Draw:
+    """A `Draw` of arrays a server built itself, without `Draw`'s checks and copies.
+
+    For servers only: the ids are int32 and the likelihoods float32 1-D arrays the caller
+    owns and no longer writes (they are made read-only here), one likelihood per sampled
+    id, ``finish_reason`` one of `FINISH_REASONS`, the versions ints >= 0. A draw built
+    from anything else goes through `Draw`.
+    """
+    for array in (prompt_ids, sampled_ids, behavior_log_probs, log_probs, *(support or ())):
+        if array is not None:
+            array.flags.writeable = False
+    draw = object.__new__(Draw)
+    fields = (
+        ("prompt_ids", prompt_ids),
+        ("sampled_ids", sampled_ids),
+        ("behavior_log_probs", behavior_log_probs),
+        ("finish_reason", finish_reason),
+        ("version", int(version)),
+        ("submitted_version", int(submitted_version)),
+        ("log_probs", log_probs),
+        ("support", support),
+        ("seed", seed),
+        ("routed_experts", None),
+    )
+    for name, value in fields:
+        object.__setattr__(draw, name, value)
+    return draw
+
+
 @runtime_checkable
 class RolloutServer(Protocol):
     """Samples completions of token-id prompts under versioned weights.
