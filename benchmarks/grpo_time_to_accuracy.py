@@ -78,7 +78,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=8, help="completions per problem")
     parser.add_argument("--warmup", type=int, default=10, help="linear warm-up updates")
     parser.add_argument("--pool", type=int, default=64_000, help="distinct training problems")
-    parser.add_argument("--slots", type=int, default=128, help="dew_pipe server rows")
+    parser.add_argument("--slots", type=int, default=512, help="dew_pipe server rows")
+    parser.add_argument("--ahead", type=int, default=1, help="dew_pipe batches rolled out ahead")
+    parser.add_argument("--max-lag", type=int, default=1, help="dew_pipe's staleness bound")
     parser.add_argument("--dew-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--trl-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "grpo-time-to-accuracy")
@@ -218,6 +220,8 @@ def dew_worker(args: argparse.Namespace) -> dict:
         grpo_eval_every=UPDATE_CAP,
         sample_probe=0,
         slots=args.slots,
+        ahead=args.ahead,
+        max_lag=args.max_lag,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -382,6 +386,8 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
         "pool",
         "work",
         "slots",
+        "ahead",
+        "max_lag",
     )
     for name in names:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -14,8 +14,10 @@ character tokenizer and the decoder are made from the seed
 3. evaluates held-out exact match on the whole test split: the "before GRPO" figure;
 4. runs asynchronous GRPO through the stages of :func:`dew_pipe.stages.build_graph`
    (task batches → rollout on a ``NativeRolloutServer`` via ``PromptSource``, which scores
-   each draw with the task's exact-match reward → pack → rescore → a ``Train`` update
-   stage), probing held-out exact match every ``grpo_eval_every`` updates;
+   each draw with the task's exact-match reward → pack → a ``Train`` update stage whose
+   forward pass also gives the proximal likelihoods, or a rescore stage before it with
+   ``proximal_in_step=False``), probing held-out exact match every ``grpo_eval_every``
+   updates;
 5. evaluates again ("after GRPO"), prints the summary, and writes ``summary.json`` and
    ``progress.png`` (:func:`dew_pipe.tasks.plot.plot_run`) into the run directory.
 
@@ -97,6 +99,9 @@ def pipeline(
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
+    proximal_in_step: bool = True,  # the update's own forward pass gives the proximal
+    #   likelihoods (each batch trains one update), so the graph needs no rescore stage;
+    #   False rescores each batch in a stage of its own before the update
     slots: int = 128,  # rows the rollout server decodes together
     join_rows: int | None = None,  # rows that must finish before waiting draws join a busy
     #   server (Server's join_rows); None: all `slots`, so every wave of these few-id
@@ -131,6 +136,8 @@ def pipeline(
     check_int("sample_probe", sample_probe, minimum=0, maximum=10**6)
     check_int("join_rows", join_rows, minimum=1, maximum=slots, allow_none=True)
     check_int("warmup", warmup, minimum=0)
+    if not isinstance(proximal_in_step, bool):
+        raise TypeError(f"proximal_in_step is {proximal_in_step!r}; expected True or False")
     for name in ("sft_learning_rate", "learning_rate", "temperature"):
         check_float(name, getattr(settings, name), above=0.0)
     check_float("beta", beta, minimum=0.0)
@@ -362,6 +369,7 @@ class ArithmeticJob:
             aggregation=s.aggregation,
             behavior_importance=2.0,  # TIS cap: lagging completions are weighted, capped
             sampling_temperature=None if s.temperature == 1.0 else s.temperature,
+            proximal_in_step=s.proximal_in_step,
         )
         graph.check_objective(objective)
         if s.schedule == "cosine":

@@ -127,6 +127,15 @@ def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path, setting, messag
     assert len(lines) == 1 and lines[0].startswith("dew-pipe: ") and message in lines[0]
 
 
+def test_proximal_in_step_must_be_a_bool():
+    from dew_pipe.cli import load_file
+
+    job = load_file(PIPELINE)
+    with pytest.raises(TypeError, match="proximal_in_step is 1; expected True or False"):
+        job.pipeline(proximal_in_step=1)
+    assert job.pipeline(proximal_in_step=False).settings.proximal_in_step is False
+
+
 def test_unknown_setting_is_refused(tmp_path):
     done = _run(tmp_path / "run", {"grpo_step": 3})
     assert done.returncode == 2 and "grpo_step" in done.stderr
