@@ -81,6 +81,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=512, help="dew_pipe server rows")
     parser.add_argument("--ahead", type=int, default=1, help="dew_pipe batches rolled out ahead")
     parser.add_argument("--max-lag", type=int, default=1, help="dew_pipe's staleness bound")
+    parser.add_argument(
+        "--proximal-in-step",
+        choices=("true", "false"),
+        default="true",
+        help="dew_pipe: proximal likelihoods from the update's forward pass (false: a rescore stage)",
+    )
     parser.add_argument("--dew-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--trl-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "grpo-time-to-accuracy")
@@ -222,6 +228,7 @@ def dew_worker(args: argparse.Namespace) -> dict:
         slots=args.slots,
         ahead=args.ahead,
         max_lag=args.max_lag,
+        proximal_in_step=args.proximal_in_step == "true",
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -388,6 +395,7 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
         "slots",
         "ahead",
         "max_lag",
+        "proximal_in_step",
     )
     for name in names:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
