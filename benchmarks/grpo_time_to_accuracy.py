@@ -428,11 +428,18 @@ def time_to(curve: list[dict], level: float) -> float | None:
     return next((p["clock_s"] for p in curve if p["held_out"] >= level), None)
 
 
+def updates_to(curve: list[dict], level: float) -> int | None:
+    """The updates done by the first snapshot at or above ``level`` (None: never): how
+    much each side learns per update, apart from how fast it updates."""
+    return next((p["updates"] for p in curve if p["held_out"] >= level), None)
+
+
 def summarize(curve: list[dict]) -> dict:
     peak = max(curve, key=lambda p: p["held_out"])  # the first snapshot at the peak
     return {
         "start": curve[0]["held_out"],
         "time_to": {f"{t:.0%}": time_to(curve, t) for t in THRESHOLDS},
+        "updates_to": {f"{t:.0%}": updates_to(curve, t) for t in THRESHOLDS},
         "peak": peak["held_out"],
         "peak_s": peak["clock_s"],
         "final": curve[-1]["held_out"],
@@ -450,6 +457,10 @@ def seconds(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.0f} s"
 
 
+def reached(time: float | None, updates: int | None) -> str:
+    return "not reached" if time is None else f"{time:.0f} s ({updates} u)"
+
+
 def report(args: argparse.Namespace, weak: dict, runs: list[dict]) -> dict:
     print(
         f"\nweak start: seed {weak['seed']}, {weak['sft_steps']} SFT steps, "
@@ -457,11 +468,16 @@ def report(args: argparse.Namespace, weak: dict, runs: list[dict]) -> dict:
         f"update, {args.budget:.0f} s per run, snapshots every {args.snapshot_every:g} s"
     )
     head = " | ".join(f"to {t:.0%}" for t in THRESHOLDS)
-    print(f"\n| side | lr | updates | {head} | peak (at) | final | load |")
+    print(
+        f"\n(u: updates done by then)\n| side | lr | updates | {head} | peak (at) | final | load |"
+    )
     print("|---|---:|---:|" + "---:|" * len(THRESHOLDS) + "---|---:|---|")
     for run in runs:
         s = run["summary"]
-        times = " | ".join(seconds(t) for t in s["time_to"].values())
+        times = " | ".join(
+            reached(t, u)
+            for t, u in zip(s["time_to"].values(), s["updates_to"].values(), strict=True)
+        )
         print(
             f"| {run['side']} | {run['lr']:g} | {run['updates']} | {times} | "
             f"{s['peak']:.1%} ({s['peak_s']:.0f} s) | {s['final']:.1%} | "
@@ -481,7 +497,11 @@ def report(args: argparse.Namespace, weak: dict, runs: list[dict]) -> dict:
             a, b = time_to(ours["curve"], level), time_to(theirs["curve"], level)
             ratios[f"{level:.0%}"] = None if a is None or b is None else round(b / a, 2)
             print(f"time to {level:.0%}: dew_pipe {seconds(a)}, TRL {seconds(b)}", end="")
-            print("" if ratios[f"{level:.0%}"] is None else f" (TRL / dew_pipe {b / a:.2f}x)")
+            print(
+                "" if ratios[f"{level:.0%}"] is None else f" (TRL / dew_pipe {b / a:.2f}x)", end=""
+            )
+            u, v = updates_to(ours["curve"], level), updates_to(theirs["curve"], level)
+            print(f"; updates by then: dew_pipe {u or '-'}, TRL {v or '-'}")
         peak, peak_s = theirs["summary"]["peak"], theirs["summary"]["peak_s"]
         reach = time_to(ours["curve"], peak)
         print(
