@@ -37,7 +37,7 @@ build .gateway-venv python3 "rllm-model-gateway==0.1.0" rllm_model_gateway
 is312() { [[ -n "$1" ]] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
 python312=""
 for candidate in "${PYTHON312:-}" "$(command -v python3.12 || true)" \
-    $(ls -d "$HOME"/.pyenv/versions/3.12.*/bin/python 2>/dev/null | sort -rV); do
+    $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python 2>/dev/null | sort -rV); do
     if is312 "$candidate"; then python312="$candidate"; break; fi
 done
 if [[ -n "$python312" ]]; then

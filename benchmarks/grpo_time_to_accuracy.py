@@ -495,13 +495,14 @@ def report(args: argparse.Namespace, weak: dict, runs: list[dict]) -> dict:
         ratios = {}
         for level in THRESHOLDS:
             a, b = time_to(ours["curve"], level), time_to(theirs["curve"], level)
-            ratios[f"{level:.0%}"] = None if a is None or b is None else round(b / a, 2)
+            # no ratio when either never got there, or dew_pipe started there (0 s)
+            ratio = None if not a or b is None else round(b / a, 2)
+            ratios[f"{level:.0%}"] = ratio
             print(f"time to {level:.0%}: dew_pipe {seconds(a)}, TRL {seconds(b)}", end="")
-            print(
-                "" if ratios[f"{level:.0%}"] is None else f" (TRL / dew_pipe {b / a:.2f}x)", end=""
-            )
+            print("" if ratio is None else f" (TRL / dew_pipe {ratio:.2f}x)", end="")
             u, v = updates_to(ours["curve"], level), updates_to(theirs["curve"], level)
-            print(f"; updates by then: dew_pipe {u or '-'}, TRL {v or '-'}")
+            dash = ("-" if n is None else n for n in (u, v))
+            print("; updates by then: dew_pipe {}, TRL {}".format(*dash))
         peak, peak_s = theirs["summary"]["peak"], theirs["summary"]["peak_s"]
         reach = time_to(ours["curve"], peak)
         print(
