@@ -16,7 +16,7 @@ What it measures: how fast GRPO itself lifts a weak model, side by side with TRL
    the update stage, ``max_lag=1``), TRL in the reference environment (TRL 1.16 on PyTorch
    CPU: ``use_cpu=True``, float32, on-policy, one update per generation batch). Both sides:
    ``--prompts`` problems x ``--groups`` completions per update, at most
-   ``task.max_new_tokens`` (5) completion ids, temperature 1, no KL term, clip 0.2, group
+   ``task.max_new_tokens`` (5) completion ids, sampling at ``--temperature`` (1), no KL term, clip 0.2, group
    standardised advantages, AdamW (b2 0.98, no weight decay, gradient norm clipped to 1,
    ``--warmup`` linear warm-up updates then a constant rate), the same training problems in
    the same order (``shuffle=False`` / ``shuffle_dataset=False``). TRL keeps its GRPO loss
@@ -77,6 +77,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=32, help="problems per update")
     parser.add_argument("--groups", type=int, default=8, help="completions per problem")
     parser.add_argument("--warmup", type=int, default=10, help="linear warm-up updates")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--pool", type=int, default=64_000, help="distinct training problems")
     parser.add_argument("--slots", type=int, default=512, help="dew_pipe server rows")
     parser.add_argument("--ahead", type=int, default=1, help="dew_pipe batches rolled out ahead")
@@ -229,6 +230,7 @@ def dew_worker(args: argparse.Namespace) -> dict:
         ahead=args.ahead,
         max_lag=args.max_lag,
         proximal_in_step=args.proximal_in_step == "true",
+        temperature=args.temperature,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -314,7 +316,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
             per_device_train_batch_size=args.prompts * args.groups,
             num_generations=args.groups,
             max_completion_length=budget,
-            temperature=1.0,
+            temperature=args.temperature,
             beta=0.0,
             shuffle_dataset=False,
             gradient_checkpointing=False,
@@ -396,6 +398,7 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
         "ahead",
         "max_lag",
         "proximal_in_step",
+        "temperature",
     )
     for name in names:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

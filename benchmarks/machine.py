@@ -3,6 +3,9 @@
 These machines differ (some have AVX-512 with BF16, some AVX2 only), and a ratio from one
 says little about the other, so every benchmark starts its report with one line naming the
 CPU, its core count and the vector-extension flags that decide XLA's and PyTorch's kernels.
+The model name of a virtual machine's CPU is often only the brand ("AMD EPYC"), so the line
+also gives the CPU family and model numbers, which tell the generations apart (AMD family 25
+is Zen 3/Zen 4, model 17 a Zen 4 EPYC; family 26 is Zen 5).
 
 Example:
     >>> line = describe()
@@ -34,18 +37,24 @@ FLAGS = (
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
-    """The CPU's model name and flags (Linux; elsewhere what `platform` knows)."""
+    """The CPU's model name (with its family and model numbers, where /proc/cpuinfo gives
+    them) and flags (Linux; elsewhere what `platform` knows)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine(), set()
-    model, flags = platform.machine(), set()
+    fields: dict[str, str] = {}
+    flags: set[str] = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == platform.machine():
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
+        key = key.strip()
+        if key in ("model name", "cpu family", "model") and key not in fields:
+            fields[key] = value.strip()
+        elif key == "flags" and not flags:
             flags = set(value.split())
+    model = fields.get("model name", platform.machine())
+    if "cpu family" in fields and "model" in fields:
+        model += f" (family {fields['cpu family']}, model {fields['model']})"
     return model, flags
 
 
