@@ -16,12 +16,13 @@ What it measures: how fast GRPO itself lifts a weak model, side by side with TRL
    the update stage, ``max_lag=1``), TRL in the reference environment (TRL 1.16 on PyTorch
    CPU: ``use_cpu=True``, float32, on-policy, one update per generation batch). Both sides:
    ``--prompts`` problems x ``--groups`` completions per update, at most
-   ``task.max_new_tokens`` (5) completion ids, sampling at ``--temperature`` (1), no KL term, clip 0.2, group
-   standardised advantages, AdamW (b2 0.98, no weight decay, gradient norm clipped to 1,
-   ``--warmup`` linear warm-up updates then a constant rate), the same training problems in
-   the same order (``shuffle=False`` / ``shuffle_dataset=False``). TRL keeps its GRPO loss
-   defaults (``loss_type="dapo"``, ``scale_rewards="group"``); gradient checkpointing, which
-   TRL turns on by default to save memory, is turned off (it only costs time here).
+   ``task.max_new_tokens`` (5) completion ids, sampled at ``--temperature`` (1), no KL
+   term, clip 0.2, group standardised advantages, AdamW (b2 0.98, no weight decay, gradient
+   norm clipped to 1, ``--warmup`` linear warm-up updates then a constant rate), the same
+   training problems in the same order (``shuffle=False`` / ``shuffle_dataset=False``). TRL
+   keeps its GRPO loss defaults (``loss_type="dapo"``, ``scale_rewards="group"``); gradient
+   checkpointing, which TRL turns on by default to save memory, is turned off (it only
+   costs time here).
 3. **The clock.** Each worker copies the policy weights to host memory every
    ``--snapshot-every`` seconds of its clock (dew_pipe's clock starts when its GRPO phase
    starts, compiles included; TRL's when ``trainer.train()`` is called) and writes them out
