@@ -13,7 +13,9 @@ What it measures: how fast GRPO itself lifts a weak model, side by side with TRL
 2. **The runs.** Each learning rate of each side's sweep trains for ``--budget`` seconds in
    a fresh worker process, sides alternating: dew_pipe through the embedded job's GRPO
    phase (``pipelines/arithmetic.py``: ``NativeRolloutServer`` rollouts one update ahead of
-   the update stage, ``max_lag=1``), TRL in the reference environment (TRL 1.16 on PyTorch
+   the update stage, ``max_lag=1``; with ``--dew-rollouts async,sync`` also the job's
+   ``rollout="sync"``, the library's synchronous ``Trainer(rollout=SampledRollout)`` loop, as
+   the side ``dew_pipe-sync``), TRL in the reference environment (TRL 1.16 on PyTorch
    CPU: ``use_cpu=True``, float32, on-policy, one update per generation batch). Both sides:
    ``--prompts`` problems x ``--groups`` completions per update, at most
    ``task.max_new_tokens`` (5) completion ids, sampled at ``--temperature`` (1), no KL
@@ -33,7 +35,8 @@ What it measures: how fast GRPO itself lifts a weak model, side by side with TRL
 
 It prints, per run, the time to 50%, 70% and 90% held out, the peak and when it came; the
 best learning rate of each side (the one reaching the highest threshold soonest, then the
-higher peak); the ratios of the best runs' times; and how soon dew_pipe reached TRL's peak.
+higher peak); for each dew_pipe side, the ratios of its best run's times to TRL's best run's,
+and how soon it reached TRL's peak.
 ``--work`` keeps ``results.json`` (every curve) and ``time_to_accuracy.png``.
 
 Usage (from the repository root)::
@@ -65,6 +68,10 @@ from reference import add_reference_argument, reference_python
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "arithmetic.py"
 THRESHOLDS = (0.5, 0.7, 0.9)
+# dew_pipe's sides, by the embedded job's `rollout` setting: the asynchronous pipeline, and
+# the library's synchronous loop (Trainer(rollout=SampledRollout)).
+ROLLOUTS = {"async": "dew_pipe", "sync": "dew_pipe-sync"}
+SIDES = (*ROLLOUTS.values(), "trl")
 UPDATE_CAP = 100_000  # more updates than any budget allows; the clock ends each run
 
 
@@ -90,6 +97,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="dew_pipe: proximal likelihoods from the update's forward pass (false: a rescore stage)",
     )
     parser.add_argument("--dew-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
+    parser.add_argument(
+        "--dew-rollouts",
+        default="async",
+        help="comma-separated dew_pipe sides: async (the pipeline), sync (the synchronous loop)",
+    )
     parser.add_argument("--trl-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "grpo-time-to-accuracy")
     parser.add_argument("--fresh", action="store_true", help="rebuild the weak checkpoint")
@@ -98,6 +110,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dew-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--rollout", choices=ROLLOUTS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -232,6 +245,7 @@ def dew_worker(args: argparse.Namespace) -> dict:
         max_lag=args.max_lag,
         proximal_in_step=args.proximal_in_step == "true",
         temperature=args.temperature,
+        rollout=args.rollout,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -383,9 +397,12 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    python = sys.executable if side == "dew_pipe" else args.reference_python
-    flag = "--dew-worker" if side == "dew_pipe" else "--trl-worker"
-    command = [python, __file__, flag, "--lr", repr(lr), "--out", str(out)]
+    if side == "trl":
+        command = [args.reference_python, __file__, "--trl-worker"]
+    else:
+        rollout = next(r for r, name in ROLLOUTS.items() if name == side)
+        command = [sys.executable, __file__, "--dew-worker", "--rollout", rollout]
+    command += ["--lr", repr(lr), "--out", str(out)]
     names = (
         "budget",
         "snapshot_every",
@@ -488,39 +505,40 @@ def report(args: argparse.Namespace, weak: dict, runs: list[dict]) -> dict:
             f"{run['load'][0]:.1f} -> {run['load'][1]:.1f} |"
         )
     best = {}
-    for side in ("dew_pipe", "trl"):
+    for side in SIDES:
         mine = [r for r in runs if r["side"] == side]
         if mine:
             best[side] = max(mine, key=ranking)
             print(f"best {side}: lr {best[side]['lr']:g}")
     verdict: dict = {"best": {k: v["lr"] for k, v in best.items()}}
-    if len(best) == 2:
-        ours, theirs = best["dew_pipe"], best["trl"]
-        ratios = {}
-        for level in THRESHOLDS:
-            a, b = time_to(ours["curve"], level), time_to(theirs["curve"], level)
-            # no ratio when either never got there, or dew_pipe started there (0 s)
-            ratio = None if not a or b is None else round(b / a, 2)
-            ratios[f"{level:.0%}"] = ratio
-            print(f"time to {level:.0%}: dew_pipe {seconds(a)}, TRL {seconds(b)}", end="")
-            print("" if ratio is None else f" (TRL / dew_pipe {ratio:.2f}x)", end="")
-            u, v = updates_to(ours["curve"], level), updates_to(theirs["curve"], level)
-            dash = ("-" if n is None else n for n in (u, v))
-            print("; updates by then: dew_pipe {}, TRL {}".format(*dash))
-        peak, peak_s = theirs["summary"]["peak"], theirs["summary"]["peak_s"]
-        reach = time_to(ours["curve"], peak)
-        print(
-            f"TRL's peak {peak:.1%} came at {peak_s:.0f} s; dew_pipe reached it at "
-            f"{seconds(reach)}"
-            + ("" if reach is None else f" ({peak_s / max(reach, 1e-9):.2f}x sooner)")
-        )
-        verdict |= {
-            "ratios": ratios,
-            "trl_peak": peak,
-            "trl_peak_s": peak_s,
-            "dew_pipe_reaches_trl_peak_s": reach,
-        }
+    if "trl" in best:
+        for side in ROLLOUTS.values():
+            if side in best:
+                verdict[side] = against_trl(side, best[side], best["trl"])
     return verdict
+
+
+def against_trl(side: str, ours: dict, theirs: dict) -> dict:
+    """Prints and returns one dew_pipe side's times against TRL's (both their best runs)."""
+    print(f"\n{side} against TRL:")
+    ratios = {}
+    for level in THRESHOLDS:
+        a, b = time_to(ours["curve"], level), time_to(theirs["curve"], level)
+        # no ratio when either never got there, or dew_pipe started there (0 s)
+        ratio = None if not a or b is None else round(b / a, 2)
+        ratios[f"{level:.0%}"] = ratio
+        print(f"time to {level:.0%}: {side} {seconds(a)}, TRL {seconds(b)}", end="")
+        print("" if ratio is None else f" (TRL / {side} {ratio:.2f}x)", end="")
+        u, v = updates_to(ours["curve"], level), updates_to(theirs["curve"], level)
+        dash = ("-" if n is None else n for n in (u, v))
+        print(f"; updates by then: {side} {{}}, TRL {{}}".format(*dash))
+    peak, peak_s = theirs["summary"]["peak"], theirs["summary"]["peak_s"]
+    reach = time_to(ours["curve"], peak)
+    print(
+        f"TRL's peak {peak:.1%} came at {peak_s:.0f} s; {side} reached it at {seconds(reach)}"
+        + ("" if reach is None else f" ({peak_s / max(reach, 1e-9):.2f}x sooner)")
+    )
+    return {"ratios": ratios, "trl_peak": peak, "trl_peak_s": peak_s, "reaches_trl_peak_s": reach}
 
 
 def plot(runs: list[dict], best: dict, path: Path) -> None:
@@ -530,7 +548,7 @@ def plot(runs: list[dict], best: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(9, 5))
-    colours = {"dew_pipe": "tab:blue", "trl": "tab:orange"}
+    colours = {"dew_pipe": "tab:blue", "dew_pipe-sync": "tab:green", "trl": "tab:orange"}
     for run in runs:
         chosen = best.get(run["side"]) == run["lr"]
         axis.plot(
@@ -562,10 +580,13 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     weak = weak_checkpoint(args)
     problem_file(args)
-    sweeps = {
-        "dew_pipe": [float(x) for x in args.dew_lrs.split(",") if x],
-        "trl": [float(x) for x in args.trl_lrs.split(",") if x],
-    }
+    dew_lrs = [float(x) for x in args.dew_lrs.split(",") if x]
+    sweeps = {}
+    for rollout in (r.strip() for r in args.dew_rollouts.split(",") if r.strip()):
+        if rollout not in ROLLOUTS:
+            raise SystemExit(f"--dew-rollouts: {rollout!r}; expected some of {sorted(ROLLOUTS)}")
+        sweeps[ROLLOUTS[rollout]] = dew_lrs
+    sweeps["trl"] = [float(x) for x in args.trl_lrs.split(",") if x]
     order = []  # alternate the sides, so drifting load falls on both
     for index in range(max(map(len, sweeps.values()))):
         order += [(side, lrs[index]) for side, lrs in sweeps.items() if index < len(lrs)]

@@ -56,7 +56,13 @@ import optax
 from dew_pipe import Trainer
 from dew_pipe._validate import check_float, check_int
 from dew_pipe.flow import Cancelled, Pipeline, RunContext
-from dew_pipe.inference import NativeRolloutServer, PromptSource, Server, ServeTask
+from dew_pipe.inference import (
+    NativeRolloutServer,
+    PromptSource,
+    SampledRollout,
+    Server,
+    ServeTask,
+)
 from dew_pipe.objectives.rl import GRPOObjective, prompt_tasks
 from dew_pipe.sampling import Sampling
 from dew_pipe.stages import GraphSettings, TaskBatches, build_graph, rescorer
@@ -67,6 +73,7 @@ from dew_pipe.tasks.recipe import SFTRecipe, train_sft
 
 AGGREGATIONS = ("token-mean", "session-mean")
 SCHEDULES = ("cosine", "constant")
+ROLLOUTS = ("async", "sync")
 
 
 def pipeline(
@@ -96,6 +103,10 @@ def pipeline(
     beta: float = 0.0,  # KL coefficient against the SFT weights (0: no reference, no KL)
     epsilon: float = 0.2,  # PPO clip range, both sides
     aggregation: str = "token-mean",  # "token-mean" or "session-mean" of the policy loss
+    rollout: str = "async",  # "async": the stages of dew_pipe.stages (a rollout server one
+    #   batch ahead of the update); "sync": Trainer(rollout=SampledRollout), which samples
+    #   each batch in one compiled call under the current weights, then updates (the
+    #   settings from max_lag to join_rows below apply to "async" only)
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
@@ -146,6 +157,8 @@ def pipeline(
         raise ValueError(f"aggregation is {aggregation!r}; expected one of {AGGREGATIONS}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is {schedule!r}; expected one of {SCHEDULES}")
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout is {rollout!r}; expected one of {ROLLOUTS}")
     check_int("seed", seed, minimum=0, maximum=2**31 - 1)
     check_int("test_size", test_size, minimum=1, maximum=10**6)
     check_int("prompts", prompts, minimum=1)
@@ -189,6 +202,21 @@ class JobResult:
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+class _AfterEachUpdate:
+    """A Trainer rollout that first calls ``before(state)`` (the state after the previous
+    update), then ``rollout``; ``metrics`` are the rollout's."""
+
+    def __init__(self, rollout: SampledRollout, before: Callable[[Any], None]) -> None:
+        self.rollout, self.before = rollout, before
+
+    def __call__(self, state: Any, batch: Any, key: Any) -> Any:
+        self.before(state)
+        return self.rollout(state, batch, key)
+
+    def metrics(self) -> dict[str, float]:
+        return self.rollout.metrics()
 
 
 class ArithmeticJob:
@@ -386,6 +414,11 @@ class ArithmeticJob:
                 [warm, optax.constant_schedule(s.learning_rate)], [max(s.warmup, 1)]
             )
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98))
+        if prompts is None:
+            count = s.prompts * (s.grpo_steps + s.ahead + 2)
+            prompts = task.prompts("train", count, seed=s.seed).load(batch=s.prompts)
+        if s.rollout == "sync":
+            return self._grpo_sync(objective, optimizer, model, prompts)
         trainer = Trainer(objective, optimizer, key=jax.random.key(s.seed + 1), progress=False)
         sampling = Sampling(eos_id=task.eos_id, temperature=s.temperature)
         server = NativeRolloutServer(
@@ -407,9 +440,6 @@ class ArithmeticJob:
             seed=s.seed,
         )
         try:
-            if prompts is None:
-                count = s.prompts * (s.grpo_steps + s.ahead + 2)
-                prompts = task.prompts("train", count, seed=s.seed).load(batch=s.prompts)
             pipeline = build_graph(
                 graph,
                 tasks=TaskBatches(prompts, prompt_tasks),
@@ -435,12 +465,61 @@ class ArithmeticJob:
         self, pipeline: Pipeline, model: Any, step: int, metrics: dict[str, float], record: Any
     ) -> None:
         """After each GRPO update (on the update stage's thread): log, probe, show progress."""
-        s = self.settings
         self.context.log(step=step + 1, phase="grpo", **update_values(metrics, record))
-        self.context.progress("GRPO updates", step + 1, s.grpo_steps)
-        done = step + 1
-        state = pipeline.stages["update"].state
+        self.context.progress("GRPO updates", step + 1, self.settings.grpo_steps)
+        self._after(model, step + 1, pipeline.stages["update"].state)
+
+    def _after(self, model: Any, done: int, state: Any) -> None:
+        """The held-out probe when one is due, then the caller's ``after_update``."""
+        s = self.settings
         if done % s.grpo_eval_every == 0 and done < s.grpo_steps:
             self._probe("grpo", done, model, state.params, sampled=False)
         if self._after_update is not None:
             self._after_update(done, state)
+
+    def _grpo_sync(self, objective: GRPOObjective, optimizer: Any, model: Any, prompts: Any) -> Any:
+        """GRPO as the library's synchronous loop: ``Trainer(rollout=SampledRollout)``.
+
+        Each update samples its batch in one compiled call under the newest weights (lag 0),
+        scores it with the task's reward and trains on it; nothing overlaps. Logs, probes
+        and ``after_update`` as the asynchronous path does.
+        """
+        s, task = self.settings, self.task
+        sampled = SampledRollout(
+            objective,
+            reward=task.reward,
+            groups=s.groups,
+            max_new_tokens=task.max_new_tokens,
+            sampling=Sampling(eos_id=task.eos_id, temperature=s.temperature),
+            decode=task.decode,
+            truncation="zero",  # as the pipeline: an answer without EOS is wrong
+            pad_id=task.pad_id,
+        )
+
+        def log(record: dict[str, Any]) -> None:
+            reward = types.SimpleNamespace(
+                metrics={"reward/mean": record.get("rollout/reward/mean")}, lag=0, waited_s=0.0
+            )
+            values = update_values(record, reward)
+            del values["waited_s"]  # nothing waits for a rollout here
+            self.context.log(step=record["step"], phase="grpo", **values)
+            self.context.progress("GRPO updates", record["step"], s.grpo_steps)
+
+        trainer = Trainer(
+            objective,
+            optimizer,
+            key=jax.random.key(s.seed + 1),
+            rollout=_AfterEachUpdate(sampled, lambda state: self._on_sync_update(model, state)),
+            log=log,
+            progress=False,
+        )
+        state = trainer.fit(prompts, steps=s.grpo_steps, log_every=1)  # from the objective's
+        #   pretrained weights, as the pipeline's update stage starts
+        self._after(model, s.grpo_steps, state)
+        return jax.device_get(state.params)
+
+    def _on_sync_update(self, model: Any, state: Any) -> None:
+        """Before each synchronous rollout: the last update's probe and hook, cancellation."""
+        self._cancelled()
+        if int(state.updates) > 0:
+            self._after(model, int(state.updates), state)

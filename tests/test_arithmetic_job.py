@@ -117,6 +117,7 @@ def test_the_plot_is_a_png_of_the_expected_size(smoke):
         ("learning_rate=0", "learning_rate is 0.0; expected a finite float > 0"),
         ("sft_until=1.5", "sft_until is 1.5"),
         ("sft_check_every=0", "sft_check_every is 0"),
+        ("rollout=fast", "rollout is 'fast'; expected one of ('async', 'sync')"),
     ],
 )
 def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path, setting, message):
@@ -125,6 +126,63 @@ def test_a_bad_setting_exits_2_with_one_line_naming_it(tmp_path, setting, messag
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dew-pipe: ") and message in lines[0]
+
+
+@pytest.mark.slow
+def test_the_synchronous_rollout_trains_and_logs_like_the_pipeline(tmp_path):
+    """rollout=sync: the same job through Trainer(rollout=SampledRollout), no server, no
+    pipeline; one record per update (lag 0), the probes at the same steps, the caller's hook
+    after every update, and gradients from the task's reward (an untrained model never
+    answers right, so the reward here pays for an even first digit, which mixes groups)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from rich.console import Console
+
+    from dew_pipe.cli import load_file
+    from dew_pipe.flow import Cancelled, MetricsWriter, RunContext
+    from dew_pipe.flow.display import Display
+    from dew_pipe.tasks.recipe import SFTRecipe
+
+    settings = {**TINY, "sample_probe": 0, "grpo_steps": 6, "grpo_eval_every": 3, "warmup": 0}
+    job = load_file(PIPELINE).pipeline(**settings, rollout="sync")
+    job.task.reward = lambda source, completion, truth, extra: float(completion[:1] in "02468")
+    model = SFTRecipe().model(job.task)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    seen: list[int] = []
+    before = set(threading.enumerate())
+    with MetricsWriter(tmp_path / "metrics.jsonl") as metrics:
+        context = RunContext(
+            tmp_path, {}, metrics, Display(Console(file=io.StringIO()), live=False)
+        )
+        trained = job.grpo(context, model, params, after_update=lambda n, state: seen.append(n))
+    assert seen == [1, 2, 3, 4, 5, 6]  # after every update, the last one included
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in records if r.get("phase") == "grpo"]
+    updates = [r for r in grpo if "loss" in r]
+    assert [r["step"] for r in updates] == [1, 2, 3, 4, 5, 6]
+    assert all(0.0 <= r["reward"] <= 1.0 and r["lag"] == 0 for r in updates)
+    assert [r["step"] for r in grpo if "held_out" in r] == [3]  # the last is the caller's
+    assert not any(r["kind"] == "flow" for r in records)  # no pipeline ran
+    assert 0.0 < np.mean([r["reward"] for r in updates]) < 1.0
+    assert max(r["grad_norm"] for r in updates) > 0
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), trained, params)
+    assert max(jax.tree.leaves(moved)) > 1e-4  # Adam steps of 2e-4, not weight decay alone
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+    # Cancelling (what Ctrl-C sets) stops the loop before the next update.
+    cancel, seen = threading.Event(), []
+
+    def stop_at_two(done: int, state) -> None:
+        seen.append(done)
+        if done == 2:
+            cancel.set()
+
+    with MetricsWriter(tmp_path / "again.jsonl") as metrics:
+        display = Display(Console(file=io.StringIO()), live=False)
+        context = RunContext(tmp_path, {}, metrics, display, cancel)
+        with pytest.raises(Cancelled):
+            job.grpo(context, model, params, after_update=stop_at_two)
+    assert seen == [1, 2]
 
 
 def test_proximal_in_step_must_be_a_bool():
