@@ -35,7 +35,7 @@ from dew_pipe.objectives.rl.episodes import (
 
 __all__ = ["Collection", "Slot", "cause_of"]
 
-_INERT = np.zeros(1, np.int32)  # a finished slot's prompt in a lock-step round; output unused
+INERT = np.zeros(1, np.int32)  # a finished slot's prompt in a lock-step round; output unused
 
 
 class Slot:
@@ -149,13 +149,21 @@ class Collection:
         actions = self.journal.draws(round_index) if self.journal is not None else None
         if actions is None:
             self.at = None
-            drawn = self.draw(policy, running, key)
-            actions = {}
-            for i, generation in zip(running, drawn, strict=True):
-                self.at = self.slots[i]
-                actions[i] = self.action(self.slots[i], generation)
+            actions = self.actions(running, self.draw(policy, running, key))
             if self.journal is not None:
                 self.journal.save_draws(round_index, actions)
+        self.send(running, actions, round_index)
+
+    def actions(self, running: list[int], drawn: Sequence[Any]) -> dict[int, Action]:
+        """The running slots' Actions from their Generations (checked), by slot."""
+        actions = {}
+        for i, generation in zip(running, drawn, strict=True):
+            self.at = self.slots[i]
+            actions[i] = self.action(self.slots[i], generation)
+        return actions
+
+    def send(self, running: list[int], actions: dict[int, Action], round_index: int) -> None:
+        """Sends each running slot's action to its environment (or truncates it)."""
         for i in running:
             slot = self.slots[i]
             if len(slot.transitions) > round_index:
@@ -192,7 +200,7 @@ class Collection:
     def draw(self, policy: Any, running: list[int], key: jax.Array) -> list[Any]:
         budget, sampling = self.rollout.max_new_tokens, self.rollout.sampling
         if callable(getattr(policy, "batch", None)):
-            contexts = [_INERT] * len(self.slots)
+            contexts = [INERT] * len(self.slots)
             for i in running:
                 contexts[i] = self.slots[i].context
             out = list(policy.batch(contexts, budget, key, sampling))
@@ -355,6 +363,35 @@ class Collection:
         kind = EpisodeCancelled if cancelled else EpisodeFailure
         what = "was cancelled" if cancelled else f"failed: {error!r}"
         return kind(f"{episode.describe()} {what}", episode, episodes)
+
+    def abort_for_peer(self, process: int, message: str, cancelled: bool) -> EpisodeFailure:
+        """Ends this process's part of a collection another process failed: every unfinished
+        slot fails, every open environment exits under the returned exception, every episode
+        is recorded."""
+        kind = EpisodeCancelled if cancelled else EpisodeFailure
+        status = EpisodeStatus.CANCELLED if cancelled else EpisodeStatus.ERROR
+        what = f"process {process} ended the collection: {message}"
+        for slot in self.slots:
+            if slot.status is EpisodeStatus.RUNNING:
+                slot.status, slot.detail = status, f"aborted with its collection: {what}"
+        episodes = [s.episode(self.origin) for s in self.slots]
+        error = kind(f"{what} (this process released its environments)", episodes[0], episodes)
+        for slot in self.slots:
+            if slot.open:
+                slot.open = False
+                try:
+                    slot.manager.__exit__(type(error), error, None)
+                except Exception as release:
+                    error.add_note(
+                        f"releasing the environment of {slot.id} also failed: {release!r}"
+                    )
+        for slot in self.slots:
+            if not slot.recorded:
+                try:
+                    self.report(slot)
+                except Exception as failure:
+                    error.add_note(f"record() raised on {slot.id}: {failure!r}")
+        return error
 
     def _forget(self, error: BaseException) -> None:
         """A failed collection leaves nothing to resume (a retry samples it again); an

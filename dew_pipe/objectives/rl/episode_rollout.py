@@ -37,6 +37,11 @@ at a step the journal holds (a restart from a checkpoint after a crash) resumes 
 records: same actions, same rewards, no completed tool call run again. The environments
 must then offer ``get_state``/``set_state``. The slots and their rules live in
 :mod:`~dew_pipe.objectives.rl.episode_collection`.
+
+On several JAX processes each process opens the environments of its own task rows and the
+rounds sample every process's slots in one global ``policy.batch`` call; failures are
+settled together before each round, and every process projects all the episodes and keeps
+its own rows (:mod:`~dew_pipe.objectives.rl.episode_pool`). The journal is refused there.
 """
 
 from __future__ import annotations
@@ -50,10 +55,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_pipe._validate import check_int
-from dew_pipe.objectives.rl.episode_collection import Collection, cause_of
+from dew_pipe.objectives.rl.episode_collection import INERT, Collection, cause_of
 from dew_pipe.objectives.rl.episode_journal import EpisodeJournal
+from dew_pipe.objectives.rl.episode_pool import (
+    Ranks,
+    agree,
+    describe_failure,
+    gather_episodes,
+    standing,
+)
 from dew_pipe.objectives.rl.episode_sessions import pack_episodes
-from dew_pipe.objectives.rl.episodes import Episode, EpisodeId, EpisodeStatus, Origin
+from dew_pipe.objectives.rl.episodes import (
+    Episode,
+    EpisodeId,
+    EpisodeStatus,
+    Origin,
+    is_cancellation,
+)
 from dew_pipe.sampling import Sampling
 
 __all__ = ["EpisodeRollout"]
@@ -197,17 +215,27 @@ class EpisodeRollout:
             JournalError: the journal holds another collection at this step, or another
                 writer holds it (nothing was opened).
             TypeError / ValueError: a batch without integer ``task_id`` rows, a state
-                without ``step``/``updates``.
+                without ``step``/``updates``; on several processes, settings, row counts,
+                clocks or keys that differ between them (on every process, before anything
+                opens), a journal, or a policy without ``batch``.
         """
         episodes = self.collect(state, batch, key)
+        everyone, ranks = episodes, Ranks()
+        if ranks.count > 1:  # one projection of every process's episodes; this block's rows
+            everyone = gather_episodes(ranks, episodes, episodes[0].origin)
         packed = pack_episodes(
-            episodes,
-            [i // self.groups for i in range(len(episodes))],
+            everyone,
+            [i // self.groups for i in range(len(everyone))],
             width=self.width,
-            rows=len(episodes) * self.max_turns,
+            rows=len(everyone) * self.max_turns,
         )
+        if ranks.count > 1:
+            rows = len(episodes) * self.max_turns
+            packed = {
+                name: v[ranks.index * rows : (ranks.index + 1) * rows] for name, v in packed.items()
+            }
         self.last_episodes = episodes
-        self._metrics = _summary(episodes)
+        self._metrics = _summary(everyone)
         return packed
 
     def collect(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> list[Episode]:
@@ -217,6 +245,9 @@ class EpisodeRollout:
         """
         tasks = _task_ids(batch)
         step, version = _clocks(state)
+        ranks = Ranks()
+        if ranks.count > 1:
+            return self._collect_together(ranks, state, tasks, step, version, key)
         origin = Origin()
         journaled = None
         if self.journal is not None:  # before anything opens: a refusal leaves it untouched
@@ -244,6 +275,115 @@ class EpisodeRollout:
             raise run.abort(error) from cause_of(error)
         self._restored = None if journaled is None else journaled.restored_turns
         return [slot.episode(origin) for slot in run.slots]
+
+    def _collect_together(
+        self,
+        ranks: Ranks,
+        state: Any,
+        tasks: np.ndarray,
+        step: int,
+        version: int,
+        key: jax.Array,
+    ) -> list[Episode]:
+        """`collect` on several processes (:mod:`~dew_pipe.objectives.rl.episode_pool`)."""
+        if self.journal is not None:
+            raise ValueError(
+                f"journal={self.journal!r} on {ranks.count} processes; an EpisodeJournal "
+                "resumes one process's collection only: pass journal=None (a restart then "
+                "samples the interrupted collection again from the checkpoint)"
+            )
+        if not callable(getattr(self.policy, "batch", None)):
+            raise TypeError(
+                f"policy is {type(self.policy).__name__} without batch(); on {ranks.count} "
+                "processes every round samples all processes' slots in one policy.batch call"
+            )
+        agree(
+            ranks,
+            {
+                **self._identity(np.zeros(0, np.int64), version),
+                "rows": int(tasks.size),
+                "step": step,
+                "key": _key_words(key),
+            },
+        )
+        origin = Origin()
+        bound = self.policy.bind(state)
+        policy = self.policy if bound is None else bound
+        local = tasks.size * self.groups
+        offset = ranks.index * local
+        seeds = jax.random.bits(jax.random.fold_in(key, _SEEDS), (local * ranks.count,), jnp.uint32)
+        seeds = np.asarray(seeds)[offset : offset + local]
+        ids = [
+            EpisodeId(int(tasks[i // self.groups]), step, i % self.groups, int(seeds[i]))
+            for i in range(local)
+        ]
+        run = Collection(self, ids, version, origin)
+        self._restored = None
+        try:
+            failure = self._rounds_together(ranks, run, policy, key, offset)
+            if failure is None:
+                return [slot.episode(origin) for slot in run.slots]
+        except BaseException as error:  # an interrupt, or what failed on every process alike
+            raise run.abort(error) from cause_of(error)
+        if isinstance(failure, tuple):
+            raise run.abort_for_peer(*failure)
+        raise run.abort(failure) from cause_of(failure)
+
+    def _rounds_together(
+        self, ranks: Ranks, run: Collection, policy: Any, key: jax.Array, offset: int
+    ) -> BaseException | tuple[int, str, bool] | None:
+        """Opens the local slots and runs the rounds in step with the other processes.
+
+        Returns None when the collection succeeded everywhere, this process's own failure,
+        or ``(process, message, cancelled)`` of the first other process that failed; raises
+        only what every process meets alike (the policy) or an interrupt.
+        """
+        failure: BaseException | None = None
+        try:
+            for index in range(len(run.slots)):
+                run.open(index)
+        except BaseException as error:
+            if not _deferred(error):
+                raise
+            failure = error
+        rounds = jax.random.fold_in(key, _ROUNDS)
+        for turn in range(self.max_turns + 1):
+            contexts = [
+                slot.context if slot.status is EpisodeStatus.RUNNING else None for slot in run.slots
+            ]
+            said = None
+            if failure is not None:
+                culprit = None if run.at is None else run.at.episode(run.origin)
+                said = describe_failure(failure, culprit)
+            peers, everyone = standing(ranks, said, contexts)
+            if failure is not None:
+                return failure
+            if peers:
+                return peers[0]
+            if turn == self.max_turns or all(c is None for c in everyone):
+                return None
+            run.at = None
+            drawn = list(
+                policy.batch(
+                    [INERT if c is None else c for c in everyone],
+                    self.max_new_tokens,
+                    jax.random.fold_in(rounds, turn),
+                    self.sampling,
+                )
+            )
+            if len(drawn) != len(everyone):
+                raise ValueError(
+                    f"policy.batch returned {len(drawn)} generations for {len(everyone)} contexts"
+                )
+            running = run.running()
+            try:
+                mine = [drawn[offset + i] for i in running]
+                run.send(running, run.actions(running, mine), turn)
+            except BaseException as error:
+                if not _deferred(error):
+                    raise
+                failure = error
+        raise AssertionError("unreachable: the last round returns")
 
     def _identity(self, tasks: np.ndarray, updates: int) -> dict[str, Any]:
         """What the journal checks besides the key, topology and policy (JSON values)."""
@@ -276,6 +416,18 @@ class EpisodeRollout:
         if self._restored is not None and out:
             out["journal/restored_turns"] = float(self._restored)
         return out
+
+
+def _key_words(key: jax.Array) -> list[int]:
+    """A key's words as JSON (a typed key's data, or a raw uint32 key itself)."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.asarray(key).reshape(-1).tolist()
+
+
+def _deferred(error: BaseException) -> bool:
+    """A failure the processes settle together at the next exchange (not an interrupt)."""
+    return isinstance(error, Exception) or is_cancellation(error)
 
 
 def _task_ids(batch: Mapping[str, Any]) -> np.ndarray:
