@@ -18,6 +18,7 @@ _LAZY: dict[str, str] = {
     "PreferencePairs": "dew_pipe.data.preference",
     "Role": "dew_pipe.data.chat",
     "Prompts": "dew_pipe.data.prompts",
+    "PassRateCurriculum": "dew_pipe.data.curriculum",
     "decode_text_column": "dew_pipe.data.text_columns",
     "encode_text_column": "dew_pipe.data.text_columns",
     "build_tokenizer": "dew_pipe.data.tokenizer",

@@ -241,7 +241,8 @@ class EpisodeRollout:
     def collect(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> list[Episode]:
         """The finished episodes of one collection, in slot order (``b * G + g``).
 
-        Same arguments and errors as calling the rollout; nothing is packed.
+        Same arguments and errors as calling the rollout; nothing is packed. On several
+        processes, this process's episodes (its own task rows); every process must call it.
         """
         tasks = _task_ids(batch)
         step, version = _clocks(state)
