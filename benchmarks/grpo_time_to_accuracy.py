@@ -15,7 +15,10 @@ What it measures: how fast GRPO itself lifts a weak model, side by side with TRL
    phase (``pipelines/arithmetic.py``: ``NativeRolloutServer`` rollouts one update ahead of
    the update stage, ``max_lag=1``; with ``--dew-rollouts async,sync`` also the job's
    ``rollout="sync"``, the library's synchronous ``Trainer(rollout=SampledRollout)`` loop, as
-   the side ``dew_pipe-sync``), TRL in the reference environment (TRL 1.16 on PyTorch
+   the side ``dew_pipe-sync``, and with ``curriculum`` that loop serving the same pool
+   through a ``PassRateCurriculum`` that rests each problem whose last group was all right
+   for ``--curriculum-rest`` passes, as ``dew_pipe-curriculum``), TRL in the reference
+   environment (TRL 1.16 on PyTorch
    CPU: ``use_cpu=True``, float32, on-policy, one update per generation batch). Both sides:
    ``--prompts`` problems x ``--groups`` completions per update, at most
    ``task.max_new_tokens`` (5) completion ids, sampled at ``--temperature`` (1), no KL
@@ -68,9 +71,10 @@ from reference import add_reference_argument, reference_python
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "arithmetic.py"
 THRESHOLDS = (0.5, 0.7, 0.9)
-# dew_pipe's sides, by the embedded job's `rollout` setting: the asynchronous pipeline, and
-# the library's synchronous loop (Trainer(rollout=SampledRollout)).
-ROLLOUTS = {"async": "dew_pipe", "sync": "dew_pipe-sync"}
+# dew_pipe's sides, by the embedded job's `rollout` setting: the asynchronous pipeline, the
+# library's synchronous loop (Trainer(rollout=SampledRollout)), and that loop serving its
+# problems through a PassRateCurriculum (the job's `curriculum` setting, --curriculum-rest).
+ROLLOUTS = {"async": "dew_pipe", "sync": "dew_pipe-sync", "curriculum": "dew_pipe-curriculum"}
 SIDES = (*ROLLOUTS.values(), "trl")
 UPDATE_CAP = 100_000  # more updates than any budget allows; the clock ends each run
 
@@ -100,7 +104,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dew-rollouts",
         default="async",
-        help="comma-separated dew_pipe sides: async (the pipeline), sync (the synchronous loop)",
+        help="comma-separated dew_pipe sides: async (the pipeline), sync (the synchronous "
+        "loop), curriculum (the synchronous loop with a pass-rate curriculum)",
+    )
+    parser.add_argument(
+        "--curriculum-rest",
+        type=int,
+        default=1,
+        help="the curriculum side: passes over the pool a solved problem sits out",
     )
     parser.add_argument("--trl-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "grpo-time-to-accuracy")
@@ -245,7 +256,8 @@ def dew_worker(args: argparse.Namespace) -> dict:
         max_lag=args.max_lag,
         proximal_in_step=args.proximal_in_step == "true",
         temperature=args.temperature,
-        rollout=args.rollout,
+        rollout="sync" if args.rollout == "curriculum" else args.rollout,
+        curriculum=args.curriculum_rest if args.rollout == "curriculum" else 0,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -254,7 +266,8 @@ def dew_worker(args: argparse.Namespace) -> dict:
         MetricsWriter(args.out / "metrics.jsonl"),
         Display(Console(file=io.StringIO()), live=False),
     )
-    data = job.task.prompts("train", args.pool, shuffle=False).load(batch=args.prompts)
+    problems = job.task.prompts("train", args.pool, shuffle=False)
+    data = problems.arrays() if args.rollout == "curriculum" else problems.load(args.prompts)
 
     def host(params):
         return jax.tree.map(np.array, jax.device_get(params))  # a copy: buffers are donated
@@ -417,6 +430,7 @@ def run_worker(args: argparse.Namespace, side: str, lr: float) -> dict:
         "max_lag",
         "proximal_in_step",
         "temperature",
+        "curriculum_rest",
     )
     for name in names:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -548,7 +562,12 @@ def plot(runs: list[dict], best: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(9, 5))
-    colours = {"dew_pipe": "tab:blue", "dew_pipe-sync": "tab:green", "trl": "tab:orange"}
+    colours = {
+        "dew_pipe": "tab:blue",
+        "dew_pipe-sync": "tab:green",
+        "dew_pipe-curriculum": "tab:purple",
+        "trl": "tab:orange",
+    }
     for run in runs:
         chosen = best.get(run["side"]) == run["lr"]
         axis.plot(

@@ -36,7 +36,10 @@ held out: 76% after 1000 updates; from 36%: no change). Stopped just after it, m
 are mixed and GRPO has work to do: the default hands over at 90% of training problems
 solved, and GRPO takes held-out exact match the rest of the way (seed 2: 86.4% -> 97.4% in
 the first 53 updates, 99.8% after 600). ``benchmarks/RESULTS.md`` records what each phase
-contributed on seeds 0-4 and how long the default takes.
+contributed on seeds 0-4 and how long the default takes. From a start before the jump,
+``rollout="sync"`` with ``curriculum=1`` (a :class:`~dew_pipe.data.PassRateCurriculum`
+that rests the problems whose last group was all right) is what gets GRPO past the
+stall: see the time-to-accuracy section there.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import os
 import resource
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -55,6 +58,7 @@ import optax
 
 from dew_pipe import Trainer
 from dew_pipe._validate import check_float, check_int
+from dew_pipe.data import PassRateCurriculum
 from dew_pipe.flow import Cancelled, Pipeline, RunContext
 from dew_pipe.inference import (
     NativeRolloutServer,
@@ -107,6 +111,11 @@ def pipeline(
     #   batch ahead of the update); "sync": Trainer(rollout=SampledRollout), which samples
     #   each batch in one compiled call under the current weights, then updates (the
     #   settings from max_lag to join_rows below apply to "async" only)
+    problems: int | None = None,  # distinct GRPO training problems, served in turn (None:
+    #   prompts x (grpo_steps + ahead + 2), so no problem comes twice)
+    curriculum: int = 0,  # with rollout="sync": passes over the training problems that a
+    #   problem whose last group was all right sits out (dew_pipe.data.PassRateCurriculum;
+    #   it needs problems that come again: set `problems`); 0: no curriculum
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
@@ -159,9 +168,17 @@ def pipeline(
         raise ValueError(f"schedule is {schedule!r}; expected one of {SCHEDULES}")
     if rollout not in ROLLOUTS:
         raise ValueError(f"rollout is {rollout!r}; expected one of {ROLLOUTS}")
+    check_int("curriculum", curriculum, minimum=0)
+    if curriculum and rollout != "sync":
+        raise ValueError(
+            f"curriculum is {curriculum} with rollout={rollout!r}; the pass-rate curriculum "
+            "reads each group's rewards from the synchronous loop: set rollout='sync' or "
+            "curriculum=0"
+        )
     check_int("seed", seed, minimum=0, maximum=2**31 - 1)
     check_int("test_size", test_size, minimum=1, maximum=10**6)
     check_int("prompts", prompts, minimum=1)
+    check_int("problems", problems, minimum=prompts, allow_none=True)  # one batch at least
     task = ArithmeticTask(seed=seed, digits=digits, operations=operations, test_size=test_size)
     graph = GraphSettings(
         width=task.max_prompt_len + task.max_new_tokens,  # one completion per row
@@ -208,8 +225,9 @@ class _AfterEachUpdate:
     """A Trainer rollout that first calls ``before(state)`` (the state after the previous
     update), then ``rollout``; ``metrics`` are the rollout's."""
 
-    def __init__(self, rollout: SampledRollout, before: Callable[[Any], None]) -> None:
+    def __init__(self, rollout: Any, before: Callable[[Any], None]) -> None:
         self.rollout, self.before = rollout, before
+        self.read_ahead = getattr(rollout, "read_ahead", 1)  # the Trainer reads it here
 
     def __call__(self, state: Any, batch: Any, key: Any) -> Any:
         self.before(state)
@@ -372,7 +390,9 @@ class ArithmeticJob:
           context: the run's context (metrics, display, cancellation).
           model, params: the decoder and its ``{"params": ...}`` to start from.
           prompts: the training prompt batches (a Dataset of ``prompts`` rows per batch);
-            default ``task.prompts("train", ...)`` enough for ``grpo_steps`` updates.
+            default ``task.prompts("train", ...)`` enough for ``grpo_steps`` updates. With
+            ``curriculum``, the pool the curriculum serves from instead: a mapping of
+            columns (``Prompts.arrays()``), by default those same problems.
           after_update: ``after_update(updates, state)`` after each update and its log, on
             the update stage's thread (``state`` is the new TrainState; copy what you keep,
             as the next update donates its buffers).
@@ -415,8 +435,16 @@ class ArithmeticJob:
             )
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98))
         if prompts is None:
-            count = s.prompts * (s.grpo_steps + s.ahead + 2)
-            prompts = task.prompts("train", count, seed=s.seed).load(batch=s.prompts)
+            count = s.problems or s.prompts * (s.grpo_steps + s.ahead + 2)
+            problems = task.prompts("train", count, seed=s.seed)
+            prompts = problems.arrays() if s.curriculum else problems.load(batch=s.prompts)
+        if s.curriculum:
+            if not isinstance(prompts, Mapping):
+                raise TypeError(
+                    f"prompts is {type(prompts).__name__}; with curriculum={s.curriculum} "
+                    "expected the pool as a mapping of columns (Prompts.arrays())"
+                )
+            prompts = PassRateCurriculum(prompts, batch=s.prompts, rest=s.curriculum)
         if s.rollout == "sync":
             return self._grpo_sync(objective, optimizer, model, prompts)
         trainer = Trainer(objective, optimizer, key=jax.random.key(s.seed + 1), progress=False)
@@ -500,16 +528,21 @@ class ArithmeticJob:
             reward = types.SimpleNamespace(
                 metrics={"reward/mean": record.get("rollout/reward/mean")}, lag=0, waited_s=0.0
             )
-            values = update_values(record, reward)
+            skipped = record.get("rollout/curriculum/skipped")  # turns rested so far
+            extra = {} if skipped is None else {"rested": int(skipped)}
+            values = update_values(record, reward, **extra)
             del values["waited_s"]  # nothing waits for a rollout here
             self.context.log(step=record["step"], phase="grpo", **values)
             self.context.progress("GRPO updates", record["step"], s.grpo_steps)
 
+        hook: Any = sampled
+        if isinstance(prompts, PassRateCurriculum):
+            hook, prompts = prompts.watch(sampled), prompts.dataset()
         trainer = Trainer(
             objective,
             optimizer,
             key=jax.random.key(s.seed + 1),
-            rollout=_AfterEachUpdate(sampled, lambda state: self._on_sync_update(model, state)),
+            rollout=_AfterEachUpdate(hook, lambda state: self._on_sync_update(model, state)),
             log=log,
             progress=False,
         )

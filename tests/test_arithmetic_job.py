@@ -185,6 +185,52 @@ def test_the_synchronous_rollout_trains_and_logs_like_the_pipeline(tmp_path):
     assert seen == [1, 2]
 
 
+def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
+    """curriculum=1: problems whose truth starts with an even digit pay 1 on every
+    completion, so after their first group they sit out the next pass; the log counts the
+    rested turns. The setting needs rollout=sync, and a pool rather than batches."""
+    import jax
+    import jax.numpy as jnp
+    from rich.console import Console
+
+    from dew_pipe.cli import load_file
+    from dew_pipe.data import decode_text_column
+    from dew_pipe.flow import MetricsWriter, RunContext
+    from dew_pipe.flow.display import Display
+    from dew_pipe.tasks.recipe import SFTRecipe
+
+    module = load_file(PIPELINE)
+    with pytest.raises(ValueError, match="curriculum is 2 with rollout='async'"):
+        module.pipeline(curriculum=2)
+    with pytest.raises(ValueError, match="curriculum"):
+        module.pipeline(curriculum=-1, rollout="sync")
+    with pytest.raises(ValueError, match="problems is 3; expected None or an int >= 4"):
+        module.pipeline(problems=3, prompts=4)
+    assert module.pipeline(problems=None).settings.problems is None
+    settings = {**TINY, "sample_probe": 0, "grpo_steps": 8, "grpo_eval_every": 8, "warmup": 0}
+    job = module.pipeline(**settings, rollout="sync", curriculum=1)
+    pool = job.task.prompts("train", 8, seed=0).arrays()  # two batches of 4 make a pass
+    truths = decode_text_column(pool["ground_truth"])
+    even = sum(t[:1] in "02468" for t in truths)
+    assert 0 < even < 8
+    job.task.reward = lambda source, completion, truth, extra: float(
+        truth[:1] in "02468" or completion[:1] in "13579"
+    )
+    model = SFTRecipe().model(job.task)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    with MetricsWriter(tmp_path / "metrics.jsonl") as metrics:
+        context = RunContext(
+            tmp_path, {}, metrics, Display(Console(file=io.StringIO()), live=False)
+        )
+        job.grpo(context, model, params, prompts=pool)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rested = [r["rested"] for r in records if r.get("phase") == "grpo" and "loss" in r]
+    assert len(rested) == 8 and rested[:2] == [0, 0]  # pass 0 serves every problem
+    assert rested[-1] >= even  # pass 1 skipped every even-truth problem
+    with pytest.raises(TypeError, match="expected the pool as a mapping"):
+        job.grpo(context, model, params, prompts=job.task.prompts("train", 8).load(batch=4))
+
+
 def test_proximal_in_step_must_be_a_bool():
     from dew_pipe.cli import load_file
 
