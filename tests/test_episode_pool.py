@@ -13,15 +13,12 @@ without processes, on a stand-in for the collective.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from process_group import run_group
 from test_tool_episodes import EOS, Harness, ScriptedPolicy, episode_rollout, tasks
 
 from dew_pipe.objectives.rl import Action, Episode, EpisodeId, Observation, Transition
@@ -32,35 +29,11 @@ from dew_pipe.objectives.rl.episodes import Origin
 WORKER = Path(__file__).resolve().parent / "episode_pool_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run(processes: int, case: str, tmp_path: Path) -> list[dict]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    if processes == 1:  # the reference: one process on the pair's two devices
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    port = str(_free_port())
     outs = [tmp_path / f"{case}_{processes}_{i}.npz" for i in range(processes)]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(processes), port, str(out), case],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i, out in enumerate(outs)
-    ]
-    for worker in workers:
-        try:
-            output, _ = worker.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for w in workers:
-                w.kill()
-            raise
-        assert worker.returncode == 0, output.decode()[-3000:]
+    # the reference: one process on the pair's two devices
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"} if processes == 1 else {}
+    run_group(WORKER, outs, case, env=env)
     results = []
     for out in outs:
         saved = dict(np.load(out))

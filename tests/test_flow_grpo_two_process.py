@@ -7,45 +7,18 @@ and one update on the assembled batch gives the one-process loss and parameters 
 reduction order). It does not measure throughput on a cluster.
 """
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from process_group import run_group
 
 WORKER = Path(__file__).resolve().parent / "flow_grpo_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run(processes: int, tmp_path: Path) -> list[dict]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    port = str(_free_port())
     outs = [tmp_path / f"p{processes}_{i}.npz" for i in range(processes)]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(processes), port, str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i, out in enumerate(outs)
-    ]
-    for worker in workers:
-        try:
-            output, _ = worker.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for w in workers:
-                w.kill()
-            raise
-        assert worker.returncode == 0, output.decode()[-3000:]
+    run_group(WORKER, outs)
     return [dict(np.load(out)) for out in outs]
 
 

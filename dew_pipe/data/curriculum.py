@@ -114,8 +114,7 @@ class PassRateCurriculum:
         position, passes = 0, 0
         while True:
             pick: list[int] = []
-            idle = 0  # turns in a row with nothing to serve
-            while len(pick) < local:
+            while len(pick) < local:  # ends: a rest lasts a bounded number of passes
                 index = int(mine[position])
                 position += 1
                 if position == mine.size:
@@ -127,13 +126,8 @@ class PassRateCurriculum:
                     else:
                         self._pass[index] = passes
                         self.served += 1
-                if resting:
-                    idle += 1
-                    if idle > mine.size * self.rest:  # unreachable: a rest ends within it
-                        raise RuntimeError("no prompt to serve after a full rest period")
-                    continue
-                idle = 0
-                pick.append(index)
+                if not resting:
+                    pick.append(index)
             rows = np.asarray(pick, np.int64)
             out = {name: value[rows] for name, value in self.pool.items()}
             out[INDEX] = rows

@@ -337,21 +337,7 @@ class Collection:
             if slot.status is EpisodeStatus.RUNNING:
                 slot.status = status
                 slot.detail = f"aborted with its collection: {culprit.id} failed"
-        for slot in self.slots:
-            if slot.open:
-                slot.open = False
-                try:
-                    slot.manager.__exit__(type(error), error, error.__traceback__)
-                except Exception as release:
-                    error.add_note(
-                        f"releasing the environment of {slot.id} also failed: {release!r}"
-                    )
-        for slot in self.slots:
-            if not slot.recorded:
-                try:
-                    self.report(slot)
-                except Exception as failure:
-                    error.add_note(f"record() raised on {slot.id}: {failure!r}")
+        self._release(error)
         self._forget(error)
         episode = culprit.episode(self.origin)
         episodes = [s.episode(self.origin) for s in self.slots]
@@ -376,11 +362,17 @@ class Collection:
                 slot.status, slot.detail = status, f"aborted with its collection: {what}"
         episodes = [s.episode(self.origin) for s in self.slots]
         error = kind(f"{what} (this process released its environments)", episodes[0], episodes)
+        self._release(error)
+        return error
+
+    def _release(self, error: BaseException) -> None:
+        """Exits every open environment under ``error``, then records every episode not yet
+        recorded; what fails on the way becomes a note on ``error``."""
         for slot in self.slots:
             if slot.open:
                 slot.open = False
                 try:
-                    slot.manager.__exit__(type(error), error, None)
+                    slot.manager.__exit__(type(error), error, error.__traceback__)
                 except Exception as release:
                     error.add_note(
                         f"releasing the environment of {slot.id} also failed: {release!r}"
@@ -391,7 +383,6 @@ class Collection:
                     self.report(slot)
                 except Exception as failure:
                     error.add_note(f"record() raised on {slot.id}: {failure!r}")
-        return error
 
     def _forget(self, error: BaseException) -> None:
         """A failed collection leaves nothing to resume (a retry samples it again); an
