@@ -17,7 +17,9 @@ What it measures: how fast GRPO itself lifts a weak model, side by side with TRL
    ``rollout="sync"``, the library's synchronous ``Trainer(rollout=SampledRollout)`` loop, as
    the side ``dew_pipe-sync``, and with ``curriculum`` that loop serving the same pool
    through a ``PassRateCurriculum`` that rests each problem whose last group was all right
-   for ``--curriculum-rest`` passes, as ``dew_pipe-curriculum``), TRL in the reference
+   for ``--curriculum-rest`` passes, as ``dew_pipe-curriculum``; ``curriculum-drop`` adds
+   the job's ``drop_zero_advantage``, so each update trains only the problems whose group's
+   rewards differ, as ``dew_pipe-curriculum-drop``), TRL in the reference
    environment (TRL 1.16 on PyTorch
    CPU: ``use_cpu=True``, float32, on-policy, one update per generation batch). Both sides:
    ``--prompts`` problems x ``--groups`` completions per update, at most
@@ -73,8 +75,15 @@ PIPELINE = ROOT / "pipelines" / "arithmetic.py"
 THRESHOLDS = (0.5, 0.7, 0.9)
 # dew_pipe's sides, by the embedded job's `rollout` setting: the asynchronous pipeline, the
 # library's synchronous loop (Trainer(rollout=SampledRollout)), and that loop serving its
-# problems through a PassRateCurriculum (the job's `curriculum` setting, --curriculum-rest).
-ROLLOUTS = {"async": "dew_pipe", "sync": "dew_pipe-sync", "curriculum": "dew_pipe-curriculum"}
+# problems through a PassRateCurriculum (the job's `curriculum` setting, --curriculum-rest),
+# with or without training only the groups whose rewards differ (`drop_zero_advantage`).
+ROLLOUTS = {
+    "async": "dew_pipe",
+    "sync": "dew_pipe-sync",
+    "curriculum": "dew_pipe-curriculum",
+    "curriculum-drop": "dew_pipe-curriculum-drop",
+}
+CURRICULUM = ("curriculum", "curriculum-drop")
 SIDES = (*ROLLOUTS.values(), "trl")
 UPDATE_CAP = 100_000  # more updates than any budget allows; the clock ends each run
 
@@ -105,13 +114,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--dew-rollouts",
         default="async",
         help="comma-separated dew_pipe sides: async (the pipeline), sync (the synchronous "
-        "loop), curriculum (the synchronous loop with a pass-rate curriculum)",
+        "loop), curriculum (the synchronous loop with a pass-rate curriculum), "
+        "curriculum-drop (that, training only the groups whose rewards differ)",
     )
     parser.add_argument(
         "--curriculum-rest",
         type=int,
         default=1,
-        help="the curriculum side: passes over the pool a solved problem sits out",
+        help="the curriculum sides: passes over the pool a solved problem sits out",
     )
     parser.add_argument("--trl-lrs", default="3e-4,1e-3,3e-3", help="comma-separated")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "grpo-time-to-accuracy")
@@ -256,8 +266,9 @@ def dew_worker(args: argparse.Namespace) -> dict:
         max_lag=args.max_lag,
         proximal_in_step=args.proximal_in_step == "true",
         temperature=args.temperature,
-        rollout="sync" if args.rollout == "curriculum" else args.rollout,
-        curriculum=args.curriculum_rest if args.rollout == "curriculum" else 0,
+        rollout="sync" if args.rollout in CURRICULUM else args.rollout,
+        curriculum=args.curriculum_rest if args.rollout in CURRICULUM else 0,
+        drop_zero_advantage=args.rollout == "curriculum-drop",
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(
@@ -267,7 +278,7 @@ def dew_worker(args: argparse.Namespace) -> dict:
         Display(Console(file=io.StringIO()), live=False),
     )
     problems = job.task.prompts("train", args.pool, shuffle=False)
-    data = problems.arrays() if args.rollout == "curriculum" else problems.load(args.prompts)
+    data = problems.arrays() if args.rollout in CURRICULUM else problems.load(args.prompts)
 
     def host(params):
         return jax.tree.map(np.array, jax.device_get(params))  # a copy: buffers are donated
@@ -566,6 +577,7 @@ def plot(runs: list[dict], best: dict, path: Path) -> None:
         "dew_pipe": "tab:blue",
         "dew_pipe-sync": "tab:green",
         "dew_pipe-curriculum": "tab:purple",
+        "dew_pipe-curriculum-drop": "tab:red",
         "trl": "tab:orange",
     }
     for run in runs:

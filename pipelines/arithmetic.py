@@ -116,6 +116,9 @@ def pipeline(
     curriculum: int = 0,  # with rollout="sync": passes over the training problems that a
     #   problem whose last group was all right sits out (dew_pipe.data.PassRateCurriculum;
     #   it needs problems that come again: set `problems`); 0: no curriculum
+    drop_zero_advantage: bool = False,  # with rollout="sync": train each update only on the
+    #   problems whose group's rewards differ (all-right and all-wrong groups carry no
+    #   gradient; SampledRollout(drop_zero_advantage=True)), so late updates are cheaper
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
@@ -175,6 +178,13 @@ def pipeline(
             "reads each group's rewards from the synchronous loop: set rollout='sync' or "
             "curriculum=0"
         )
+    if not isinstance(drop_zero_advantage, bool):
+        raise TypeError(f"drop_zero_advantage is {drop_zero_advantage!r}; expected True or False")
+    if drop_zero_advantage and rollout != "sync":
+        raise ValueError(
+            f"drop_zero_advantage is True with rollout={rollout!r}; the pipeline's pack stage "
+            "keeps one batch shape: set rollout='sync' or drop_zero_advantage=False"
+        )
     check_int("seed", seed, minimum=0, maximum=2**31 - 1)
     check_int("test_size", test_size, minimum=1, maximum=10**6)
     check_int("prompts", prompts, minimum=1)
@@ -227,7 +237,8 @@ class _AfterEachUpdate:
 
     def __init__(self, rollout: Any, before: Callable[[Any], None]) -> None:
         self.rollout, self.before = rollout, before
-        self.read_ahead = getattr(rollout, "read_ahead", 1)  # the Trainer reads it here
+        self.read_ahead = getattr(rollout, "read_ahead", 1)  # the Trainer reads these here
+        self.rows_vary = bool(getattr(rollout, "rows_vary", False))
 
     def __call__(self, state: Any, batch: Any, key: Any) -> Any:
         self.before(state)
@@ -522,6 +533,7 @@ class ArithmeticJob:
             decode=task.decode,
             truncation="zero",  # as the pipeline: an answer without EOS is wrong
             pad_id=task.pad_id,
+            drop_zero_advantage=s.drop_zero_advantage,
         )
 
         def log(record: dict[str, Any]) -> None:
@@ -530,6 +542,9 @@ class ArithmeticJob:
             )
             skipped = record.get("rollout/curriculum/skipped")  # turns rested so far
             extra = {} if skipped is None else {"rested": int(skipped)}
+            extra["flat"] = round(record["rollout/groups/zero_advantage"], 4)  # trained nothing
+            if s.drop_zero_advantage:
+                extra["rows"] = int(record["rollout/rows"])  # what the update ran on
             values = update_values(record, reward, **extra)
             del values["waited_s"]  # nothing waits for a rollout here
             self.context.log(step=record["step"], phase="grpo", **values)

@@ -229,6 +229,26 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
     assert rested[-1] >= even  # pass 1 skipped every even-truth problem
     with pytest.raises(TypeError, match="expected the pool as a mapping"):
         job.grpo(context, model, params, prompts=job.task.prompts("train", 8).load(batch=4))
+    # drop_zero_advantage: the even-truth problems' groups (all 1) leave the update's rows
+    with pytest.raises(ValueError, match="drop_zero_advantage is True with rollout='async'"):
+        module.pipeline(drop_zero_advantage=True)
+    with pytest.raises(TypeError, match="drop_zero_advantage is 1; expected True or False"):
+        module.pipeline(drop_zero_advantage=1, rollout="sync")
+    lean = module.pipeline(**settings, rollout="sync", drop_zero_advantage=True)
+    lean.task.reward = job.task.reward
+    out = tmp_path / "lean"
+    out.mkdir()
+    with MetricsWriter(out / "metrics.jsonl") as metrics:
+        context = RunContext(out, {}, metrics, Display(Console(file=io.StringIO()), live=False))
+        lean.grpo(context, model, params, prompts=lean.task.prompts("train", 32, seed=0).load(4))
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in logged if r.get("phase") == "grpo" and "loss" in r]
+    assert len(updates) == 8
+    flat = [r["flat"] for r in updates]
+    assert all(r["rows"] % 2 == 0 and r["rows"] <= 16 for r in updates)  # 16 / 8 = 2 a multiple
+    # an update's rows: one per completion of each problem that is not flat, at least 2
+    assert [r["rows"] for r in updates] == [max(2, round(4 * (1 - f)) * 4) for f in flat]
+    assert sum(r["rows"] for r in updates) < 8 * 16  # flat groups (even truths) left out
 
 
 def test_proximal_in_step_must_be_a_bool():

@@ -220,6 +220,103 @@ def test_columns_are_consistent(data, extra, truncation, estimator):
     np.testing.assert_allclose((m * w).sum(), len(trained_sessions), rtol=1e-5)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    data=sessions_strategy(),
+    extra=st.integers(0, 6),
+    truncation=st.sampled_from(["mask", "score", "zero"]),
+    estimator=st.sampled_from(["group", "mean", "rloo"]),
+    multiple=st.sampled_from([None, 1, 2, 3, 4]),
+)
+def test_dropping_zero_advantage_groups_keeps_every_other_session_as_it_was(
+    data, extra, truncation, estimator, multiple
+):
+    sessions, _ = data
+    width = max([c.length for s in sessions for c in s.calls], default=1) + extra
+    full = pack(sessions, width, estimator=estimator, truncation=truncation)
+    kept = pack(
+        sessions,
+        width,
+        estimator=estimator,
+        truncation=truncation,
+        drop_zero_advantage=True,
+        row_multiple=multiple,
+    )
+    # The groups to drop, from the reference estimators: every advantage exactly 0.
+    training = [i for i, s in enumerate(sessions) if trains(s, truncation)]
+    rewards = [
+        0.0
+        if sessions[i].status is Status.TRUNCATED and truncation == "zero"
+        else sessions[i].reward
+        for i in training
+    ]
+    keys = [(sessions[i].task, sessions[i].group) for i in training]
+    reference = reference_advantages(rewards, keys, estimator)
+    moving = {k for k, a in zip(keys, reference, strict=True) if np.float32(a) != 0}
+    expected = {i for i, k in zip(training, keys, strict=True) if k in moving}
+    full_calls, kept_calls = unpack(full, len(sessions)), unpack(kept, len(sessions))
+    assert {i for i, _ in kept_calls} == {i for i, _ in full_calls if i in expected}
+    for key, got in kept_calls.items():  # each kept call exactly as the full batch has it
+        want = full_calls[key]
+        for name in ("prompt", "sampled", "behavior", "old", "versions"):
+            np.testing.assert_array_equal(got[name], want[name])
+    for i in expected:  # baselines from the whole group, before the others left
+        np.testing.assert_array_equal(
+            np.unique(kept["advantages"][kept["session_index"] == i]),
+            np.unique(full["advantages"][full["session_index"] == i]),
+        )
+    dropped = [i for i in training if i not in expected]
+    assert not np.isin(kept["session_index"], dropped).any()
+    # rows: what the kept chains need, rounded up to the multiple (one at least)
+    needed = rows_needed(
+        chain_lengths([sessions[i] for i in sorted(expected)], width, truncation=truncation),
+        width,
+    )
+    rows = needed if multiple is None else max(1, -(-needed // multiple)) * multiple
+    assert kept["input_ids"].shape == (rows, width)
+
+
+def test_dropped_groups_and_row_multiples_by_hand():
+    def draw(ids):
+        return Call([1, 2], ids, [-0.5] * len(ids), "stop", 0)
+
+    sessions = [
+        session([draw([3])], 1.0, group=0, sample=0),
+        session([draw([4])], 1.0, group=0, sample=1),  # all right: dropped
+        session([draw([3])], 0.0, group=1, sample=0),
+        session([draw([4, 5])], 1.0, group=1, sample=1),  # differ: kept
+        session([draw([6])], 1.0, "TRUNCATED", group=2, sample=0),
+        session([draw([6])], 0.0, group=2, sample=1),  # equal under "zero": dropped
+    ]
+    batch = pack(sessions, 4, truncation="zero", drop_zero_advantage=True, row_multiple=3)
+    assert batch["input_ids"].shape == (3, 4)  # two chains need two rows; a multiple of 3
+    assert sorted(set(batch["session_index"][batch["response_mask"] == 1].tolist())) == [2, 3]
+    np.testing.assert_array_equal(batch["input_ids"][2], [0, 0, 0, 0])
+    a = 0.5 / (np.sqrt(0.5) + 1e-6)
+    assert set(np.unique(batch["advantages"][batch["session_index"] == 2])) == {np.float32(-a)}
+    scored = pack(sessions, 4, truncation="score", drop_zero_advantage=True)  # 1 vs 0 in group 2
+    assert sorted(set(scored["session_index"][scored["response_mask"] == 1].tolist())) == [
+        2, 3, 4, 5,
+    ]  # fmt: skip
+    # "reward" leaves an advantage on every rewarded session, so only reward-0 groups go:
+    # under "mask" group 2 trains its second session alone, on reward 0
+    rewarded = pack(sessions, 4, estimator="reward", drop_zero_advantage=True)
+    assert sorted(set(rewarded["session_index"][rewarded["response_mask"] == 1].tolist())) == [
+        0, 1, 2, 3,
+    ]  # fmt: skip
+    # nothing to train: one multiple of padding rows, or none with the default multiple
+    flat = sessions[:2]
+    assert pack(flat, 4, drop_zero_advantage=True, row_multiple=4)["input_ids"].shape == (4, 4)
+    assert pack(flat, 4, drop_zero_advantage=True, row_multiple=1)["input_ids"].shape == (1, 4)
+    assert pack(flat, 4, drop_zero_advantage=True)["input_ids"].shape == (0, 4)
+    assert pack(flat, 4, row_multiple=4)["input_ids"].shape == (4, 4)  # 2 rows, rounded up
+    assert pack(flat, 4, rows=2, drop_zero_advantage=True)["input_ids"].shape == (2, 4)
+    with pytest.raises(ValueError, match="row_multiple is 0; expected None or an int >= 1"):
+        pack(flat, 4, row_multiple=0)
+    with pytest.raises(TypeError, match="drop_zero_advantage: expected True or False, got 1"):
+        pack(flat, 4, drop_zero_advantage=1)
+
+
 # ------------------------------------------------------------------- worked examples
 
 

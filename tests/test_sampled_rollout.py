@@ -191,6 +191,8 @@ def test_every_completion_is_scored_with_strings_and_without_eos(greedy_run):
         "reward/positive": 0.75,
         "response/length": 3.0,
         "response/truncated": 0.5,
+        "groups/zero_advantage": 0.0,
+        "rows": 4.0,
     }
 
 
@@ -238,6 +240,72 @@ def test_sampled_ids_record_raw_and_behavior_likelihoods(known):
     assert (packed["old_log_probs"] != packed["behavior_log_probs"]).any()
 
 
+class Listed:
+    """A reward that returns the given values in call order."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def __call__(self, data_source, completion, ground_truth, extra_info):
+        return self.values.pop(0)
+
+
+def test_dropping_zero_advantage_groups_scales_the_gradient_and_nothing_else(known):
+    """Groups 0 and 2 are all-equal: dropping them changes the policy gradient's scale only.
+
+    Their completions carry advantage 0, so their tokens add 0 to the token-mean loss's
+    numerator; dropping them divides by the kept tokens instead of all of them.
+    """
+    batch = prompt_batch([[1, 2], [3, 4, 5], [1, 2], [3, 4, 5]], 3)
+    objective = GRPOObjective(known.model, seq_len=6)
+    rewards = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0, 3.0]
+    state, key = state_at(known.variables, 0), jax.random.key(0)
+    hot = Sampling(temperature=4.0)  # no EOS: every completion takes the whole budget
+    keep = SampledRollout(objective, Listed(rewards), 2, 4, hot)
+    drop = SampledRollout(
+        objective, Listed(rewards), 2, 4, hot, drop_zero_advantage=True, row_multiple=3
+    )
+    full, kept = keep(state, batch, key), drop(state, batch, key)
+    # chains of 6 and 5 ids never share a 7-wide row: four kept rows, rounded up to six
+    assert full["input_ids"].shape == (8, 7) and kept["input_ids"].shape == (6, 7)
+    trained = kept["session_index"][kept["response_mask"] == 1]
+    assert sorted(set(trained.tolist())) == [2, 3, 6, 7]
+    assert not kept["response_mask"][4:].any()
+    for i in (2, 3, 6, 7):  # the same rows, advantages and likelihoods as in the full batch
+        row_full = np.flatnonzero((full["session_index"] == i).any(1))
+        row_kept = np.flatnonzero((kept["session_index"] == i).any(1))
+        for name in ("input_ids", "advantages", "old_log_probs", "response_mask"):
+            np.testing.assert_array_equal(kept[name][row_kept], full[name][row_full], name)
+    assert keep.metrics()["groups/zero_advantage"] == 0.5 == drop.metrics()["groups/zero_advantage"]
+    assert (keep.metrics()["rows"], drop.metrics()["rows"]) == (8.0, 6.0)
+    assert [s.reward for s in drop.last_sessions] == rewards  # every completion is still seen
+
+    def grad(packed):
+        fn = lambda p: objective.loss(p, packed, key)[0]  # noqa: E731
+        return jax.grad(fn)(known.variables)
+
+    tokens_full, tokens_kept = full["response_mask"].sum(), kept["response_mask"].sum()
+    assert tokens_kept < tokens_full
+    scale = tokens_full / tokens_kept
+    g_full, g_kept = grad(full), grad(kept)
+    norm = max(float(np.abs(g).max()) for g in jax.tree.leaves(g_full))
+    assert norm > 1e-3  # the kept groups' completions differ, so they do not cancel
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_kept), strict=True):
+        np.testing.assert_allclose(np.asarray(a) * scale, b, rtol=1e-5, atol=1e-6 * norm)
+
+
+def test_a_batch_with_nothing_to_learn_keeps_one_multiple_of_padding(known):
+    batch = prompt_batch([[1, 2], [3, 4, 5]], 3)
+    objective = GRPOObjective(known.model, seq_len=6)
+    rollout = SampledRollout(objective, lambda *a: 1.0, 2, 4, GREEDY, drop_zero_advantage=True)
+    packed = rollout(state_at(known.variables, 0), batch, jax.random.key(0))
+    assert packed["input_ids"].shape == (1, 7)  # an eighth of 4 completions, rounded up
+    assert not packed["response_mask"].any()
+    assert rollout.metrics()["groups/zero_advantage"] == 1.0
+    loss, _ = objective.loss(known.variables, packed, jax.random.key(0))
+    assert float(loss) == 0.0
+
+
 # ----------------------------------------------------------------- failures
 
 
@@ -262,6 +330,12 @@ def test_groups_below_two_and_other_bad_settings_are_refused(known):
         SampledRollout(objective, reward, 2, 4, sampling=Sampling(eos_id=9))
     with pytest.raises(TypeError, match="'model'"):
         SampledRollout(object(), reward, 2, 4)
+    with pytest.raises(ValueError, match="row_multiple is 4 but drop_zero_advantage is False"):
+        SampledRollout(objective, reward, 2, 4, row_multiple=4)
+    with pytest.raises(ValueError, match="row_multiple is 0; expected None or an int >= 1"):
+        SampledRollout(objective, reward, 2, 4, drop_zero_advantage=True, row_multiple=0)
+    with pytest.raises(TypeError, match="drop_zero_advantage is 'yes'; expected a bool"):
+        SampledRollout(objective, reward, 2, 4, drop_zero_advantage="yes")
 
 
 @pytest.mark.parametrize(

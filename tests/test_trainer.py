@@ -297,6 +297,52 @@ def test_rollout_may_change_the_batch_size():
     assert int(state.step) == 2
 
 
+class Shrinking:
+    """A rollout keeping the first ``rows[step]`` examples of each batch (rows_vary)."""
+
+    rows_vary = True
+
+    def __init__(self, rows, also=None):
+        self.rows, self.also, self.calls = rows, also, 0
+
+    def __call__(self, state, batch, key):
+        keep = self.rows[self.calls]
+        self.calls += 1
+        out = {k: v[:keep] for k, v in batch.items()}
+        if self.also is not None and self.calls > 1:
+            out = self.also(out)
+        return out
+
+
+def test_a_rollout_whose_rows_vary_may_change_only_the_row_count():
+    rows = [8, 3, 5]
+    trainer = Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, rollout=Shrinking(rows))
+    start = host(trainer.initial_state().params)
+    state = trainer.fit(cycling(BATCHES), steps=3)
+    cut = [{k: v[:n] for k, v in b.items()} for b, n in zip(BATCHES, rows, strict=False)]
+    w, b = sgd_reference(start, cut, 0.1)  # each update on the rows it was given
+    np.testing.assert_allclose(state.params["params"]["w"], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.params["params"]["b"], b, rtol=1e-5, atol=1e-6)
+    fixed = Shrinking(rows)
+    fixed.rows_vary = False
+    with pytest.raises(
+        ValueError, match=r"training batch 2 field .* expected one layout for every batch \("
+    ):
+        Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, rollout=fixed).fit(
+            cycling(BATCHES), steps=2
+        )
+    wider = Shrinking(rows, also=lambda b: dict(b, x=np.concatenate([b["x"], b["x"]], axis=1)))
+    with pytest.raises(ValueError, match="field 'x' .* every batch but for its rows"):
+        Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, rollout=wider).fit(
+            cycling(BATCHES), steps=2
+        )
+    ragged = Shrinking(rows, also=lambda b: dict(b, y=b["y"][:0]))
+    with pytest.raises(ValueError, match="training batch 2 field 'y' has 0 rows but 'x' has 3"):
+        Trainer(MaskedRegression(), optax.sgd(0.1), key=KEY, rollout=ragged).fit(
+            cycling(BATCHES), steps=2
+        )
+
+
 # ------------------------------------------------------------------------- checkpoints
 
 

@@ -198,6 +198,7 @@ class _Watched:
         if not callable(rollout):
             raise TypeError(f"rollout is {rollout!r}; expected rollout(state, batch, key)")
         self.curriculum, self.rollout = curriculum, rollout
+        self.rows_vary = bool(getattr(rollout, "rows_vary", False))  # the Trainer reads it
 
     def __call__(self, state: Any, batch: Mapping[str, Any], key: Any) -> Any:
         if INDEX not in batch:

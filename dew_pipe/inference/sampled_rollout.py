@@ -19,10 +19,13 @@ reward metadata as ``[B, M]`` UTF-8 byte columns) into the packed ``[N, P + R]``
    log-probabilities land in ``old_log_probs``, the sampler's (after temperature and
    filters) in ``behavior_log_probs``, and ``versions`` holds ``state.updates``. N rows always
    hold the N chains (each chain is at most ``P + R`` ids), so the shape never changes.
+   With ``drop_zero_advantage`` the prompts whose advantages all came out 0 are left out
+   and N shrinks to the rows the rest need, rounded up to ``row_multiple``.
 
 After each call :meth:`SampledRollout.metrics` reports the reward mean, the share of
-completions with a positive reward, the mean response length and the truncated share;
-the Trainer logs them under ``rollout/``.
+completions with a positive reward, the mean response length, the truncated share, the
+share of prompts that train nothing and the batch's rows; the Trainer logs them under
+``rollout/``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,16 @@ class SampledRollout:
             all). The reward is called for every completion whatever this says.
         pad_id: the id written after a completion ends (it never reaches the reward or
             the packed rows).
+        drop_zero_advantage: pack only the prompts whose completions' advantages are not
+            all 0 (``pack(drop_zero_advantage=True)``): a group that is all right or all
+            wrong adds nothing to the policy gradient, and late in training most groups
+            are one or the other, so the update runs on a fraction of the rows. The batch
+            then has as many rows as the kept completions need, rounded up to
+            ``row_multiple``. The loss's mean is over the kept completions (as DAPO's
+            dynamic sampling); a KL term (``beta > 0``) no longer sees the dropped ones.
+        row_multiple: with ``drop_zero_advantage``, the batch's rows are a multiple of this;
+            None takes an eighth of ``B * G`` (rounded up), so the update compiles for at
+            most eight shapes.
 
     Attributes:
         last_sessions: the ``B * G`` one-call sessions of the last call, in packing order
@@ -99,7 +112,8 @@ class SampledRollout:
         TypeError: an objective without ``model``/``seq_len``, a reward or decode that is
             not callable, a ``sampling`` that is not a `Sampling`.
         ValueError: ``groups < 2``, ``max_new_tokens < 1``, an unknown estimator or
-            truncation, EOS ids outside the model's vocabulary.
+            truncation, EOS ids outside the model's vocabulary, ``row_multiple < 1`` or
+            ``row_multiple`` without ``drop_zero_advantage``.
 
     Example:
         >>> import optax
@@ -120,8 +134,9 @@ class SampledRollout:
         >>> batch = rollout(state, prompts, jax.random.key(1))
         >>> batch["input_ids"].shape   # B * G rows of P + R ids
         (4, 6)
-        >>> sorted(rollout.metrics())
-        ['response/length', 'response/truncated', 'reward/mean', 'reward/positive']
+        >>> sorted(rollout.metrics())  # doctest: +NORMALIZE_WHITESPACE
+        ['groups/zero_advantage', 'response/length', 'response/truncated', 'reward/mean',
+         'reward/positive', 'rows']
     """
 
     def __init__(
@@ -136,6 +151,8 @@ class SampledRollout:
         *,
         truncation: str = "score",
         pad_id: int = 0,
+        drop_zero_advantage: bool = False,
+        row_multiple: int | None = None,
     ) -> None:
         model = getattr(objective, "model", None)
         seq_len = getattr(objective, "seq_len", None)
@@ -170,8 +187,24 @@ class SampledRollout:
         self.estimator = estimator
         self.truncation = truncation
         self.pad_id = check_int("pad_id", pad_id, minimum=0)
+        if not isinstance(drop_zero_advantage, bool):
+            raise TypeError(f"drop_zero_advantage is {drop_zero_advantage!r}; expected a bool")
+        check_int("row_multiple", row_multiple, minimum=1, allow_none=True)
+        if row_multiple is not None and not drop_zero_advantage:
+            raise ValueError(
+                f"row_multiple is {row_multiple} but drop_zero_advantage is False; every "
+                "batch keeps its B * G rows then, so expected row_multiple=None"
+            )
+        self.drop_zero_advantage = drop_zero_advantage
+        self.row_multiple = row_multiple
         self.last_sessions: list[Session] = []
         self._metrics: dict[str, float] = {}
+
+    @property
+    def rows_vary(self) -> bool:
+        """True with ``drop_zero_advantage``: the Trainer then accepts batches whose row
+        count changes (a multiple of ``row_multiple``)."""
+        return self.drop_zero_advantage
 
     # ------------------------------------------------------------------ the hook
 
@@ -188,7 +221,8 @@ class SampledRollout:
 
         Returns:
             The packed columns, each ``[B * G, P + R]`` (see
-            :mod:`dew_pipe.objectives.rl.packing`).
+            :mod:`dew_pipe.objectives.rl.packing`); with ``drop_zero_advantage``, ``[N, P +
+            R]`` with N a multiple of ``row_multiple``.
 
         Raises:
             ValueError: a missing or misshapen field, ``P + R - 1`` different from the
@@ -234,23 +268,32 @@ class SampledRollout:
                 )
                 status = Status.COMPLETED if stopped else Status.TRUNCATED
                 sessions.append(Session(row, row, sample, 0, [call], status, score))
+        if self.drop_zero_advantage:
+            multiple = self.row_multiple or -(-len(sessions) // 8)
+            rows, shape = None, {"drop_zero_advantage": True, "row_multiple": multiple}
+        else:
+            rows, shape = len(sessions), {}
         packed = pack(
             sessions,
             width=width + budget,
-            rows=len(sessions),
+            rows=rows,
             estimator=self.estimator,
             truncation=self.truncation,
+            **shape,
         )
         self.last_sessions = sessions
-        self._metrics = _summary(sessions)
+        self._metrics = _summary(sessions, groups, packed["advantages"], packed["session_index"])
         return packed
 
     def metrics(self) -> dict[str, float]:
         """Numbers about the last call's completions, for logging.
 
         ``reward/mean``, ``reward/positive`` (share of completions whose reward is above
-        0), ``response/length`` (mean sampled ids, EOS included) and
-        ``response/truncated`` (share that ran out of budget). Empty before the first call.
+        0), ``response/length`` (mean sampled ids, EOS included),
+        ``response/truncated`` (share that ran out of budget), ``groups/zero_advantage``
+        (share of prompts none of whose completions has a nonzero advantage in the batch:
+        they train nothing, and ``drop_zero_advantage`` leaves them out) and ``rows`` (the
+        packed batch's rows). Empty before the first call.
         """
         return dict(self._metrics)
 
@@ -334,13 +377,21 @@ class SampledRollout:
         return value
 
 
-def _summary(sessions: Sequence[Session]) -> dict[str, float]:
+def _summary(
+    sessions: Sequence[Session], groups: int, advantages: np.ndarray, session_index: np.ndarray
+) -> dict[str, float]:
     rewards = np.array([s.reward for s in sessions], np.float64)
     lengths = np.array([s.calls[0].sampled_ids.size for s in sessions], np.float64)
     truncated = np.array([s.status is Status.TRUNCATED for s in sessions], np.float64)
+    sampled = session_index >= 0
+    moving = session_index[sampled][advantages[sampled] != 0]
+    informative = np.zeros(len(sessions) // groups, bool)
+    informative[moving // groups] = True  # sessions are prompt-major: prompt * G + sample
     return {
         "reward/mean": float(rewards.mean()),
         "reward/positive": float((rewards > 0).mean()),
         "response/length": float(lengths.mean()),
         "response/truncated": float(truncated.mean()),
+        "groups/zero_advantage": float(1.0 - informative.mean()),
+        "rows": float(session_index.shape[0]),
     }

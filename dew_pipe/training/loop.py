@@ -105,7 +105,8 @@ class FitLoop:
         self.stream: BatchStream | None = None
         self.log: TrainLog | None = None
         self.pending: dict[str, jax.Array] | None = None  # metrics whose guard is unresolved
-        self.shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self.shapes: dict[str, tuple[tuple[int | None, ...], np.dtype]] | None = None
+        self.rows_vary = bool(getattr(trainer.rollout, "rows_vary", False))
         self._position = position
         self._partition = partition
 
@@ -136,7 +137,7 @@ class FitLoop:
                 batch = trainer.rollout(self.state, batch, key)
                 reported = _rollout_metrics(trainer.rollout)
             placed = trainer._place(batch, where, update=True)
-            self._check_shapes(placed, where)
+            self._check_shapes(placed, where, rows_vary=self.rows_vary)
             self.state, self.pending = trainer._step(self.state, placed)
             if reported:
                 self.pending = {**self.pending, **reported}
@@ -156,18 +157,24 @@ class FitLoop:
         self.resolve()
         return self.state
 
-    def _check_shapes(self, batch: Mapping[str, jax.Array], where: str) -> None:
+    def _check_shapes(
+        self, batch: Mapping[str, jax.Array], where: str, rows_vary: bool = False
+    ) -> None:
+        """Every batch has the first one's layout; with ``rows_vary``, but for its rows."""
         shapes = {name: (tuple(v.shape), np.dtype(v.dtype)) for name, v in batch.items()}
+        if rows_vary:  # (_place has checked that every field has the same rows)
+            shapes = {name: ((None, *shape[1:]), dtype) for name, (shape, dtype) in shapes.items()}
         if self.shapes is None:
             self.shapes = shapes
             return
         for name in sorted(set(shapes) | set(self.shapes)):
             now, first = shapes.get(name), self.shapes.get(name)
             if now != first:
+                more = " but for its rows" if rows_vary else ""
                 raise ValueError(
                     f"{where} field {name!r} is {now} (shape, dtype) but the first batch had "
-                    f"{first}; expected one layout for every batch (a new layout would "
-                    "compile the update again)"
+                    f"{first}; expected one layout for every batch{more} (a new layout "
+                    "would compile the update again)"
                 )
 
     def _save_due(self, steps: int) -> bool:

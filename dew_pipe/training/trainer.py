@@ -82,7 +82,10 @@ class Trainer:
             to the update as soon as the rollout returns: a rollout that keeps using
             ``state.params`` afterwards (a background engine, say) must copy them.
             If it has a method ``metrics()`` returning ``{name: number}`` about its last
-            call, those numbers join the step's metrics as ``rollout/<name>``. If it has
+            call, those numbers join the step's metrics as ``rollout/<name>``. Every
+            batch must have the first one's layout, unless the rollout's attribute
+            ``rows_vary`` is true: then only the leading (row) dimension may change, and
+            the update compiles once per row count it meets. If it has
             a method ``checkpointed(step)``, ``fit`` calls it after starting each save.
         run_dir: directory for ``metrics.jsonl`` and ``checkpoints/``; ``fit`` resumes
             from its newest checkpoint (to resume from an older one, move the newer step

@@ -25,6 +25,9 @@ computed over the training sessions of each (task, group) by the named estimator
 attempt), and a batch holds each session once: ``pack`` refuses a second copy, which would
 otherwise train twice and count twice in its group's baseline. :func:`trains` and
 :func:`session_chains` are these rules as functions, for whatever reports on a packed batch.
+``drop_zero_advantage`` then takes out the groups whose advantages all came out 0: they
+train nothing, so leaving them out only saves their rows (a report on such a batch should
+count them as dropped, not as training).
 
 **Columns** (all ``[rows, width]`` unless noted; "sampled" = positions of sampled ids):
 
@@ -316,6 +319,8 @@ def pack(
     support_capacity: int | None = None,
     *,
     arrow: bool = False,
+    drop_zero_advantage: bool = False,
+    row_multiple: int | None = None,
 ) -> dict[str, np.ndarray] | pa.RecordBatch:
     """Build one packed training batch from sessions (see the module docstring for columns).
 
@@ -332,6 +337,17 @@ def pack(
         arrow: return the Arrow packed-rows batch of :mod:`dew_pipe.batches` instead; it
             shares the arrays' memory, and ``batches.packed_from_arrow`` gives the same
             arrays back without a copy.
+        drop_zero_advantage: leave out the sessions of every (task, group) whose advantages
+            are all exactly 0 (under "group", "mean" and "rloo": a group whose rewards are
+            all equal). Their policy gradient is zero, so the update loses nothing but
+            their rows; the policy loss's token (or session) mean is then over the kept
+            sessions, as DAPO's dynamic sampling has it, and a KL term no longer sees them.
+            Their groups' baselines were computed before they left.
+        row_multiple: with ``rows=None``, round the rows the chains need up to a multiple
+            of this, and give a batch with nothing to train one multiple of padding rows,
+            so a stream of batches that shrink with ``drop_zero_advantage`` compiles its
+            update for few shapes and never for an empty batch. None: exactly the rows
+            the chains need (0 for none).
 
     Returns:
         ``{name: array}`` with every column ``[rows, width]`` (routing
@@ -359,6 +375,9 @@ def pack(
     """
     width = _check_common(sessions, width, truncation)
     _check_counts(rows, support_capacity, estimator)
+    check_int("row_multiple", row_multiple, minimum=1, allow_none=True)
+    if not isinstance(drop_zero_advantage, bool):
+        raise TypeError(f"drop_zero_advantage: expected True or False, got {drop_zero_advantage!r}")
     _check_unique(sessions)
     routing = _shared_routing(sessions)
     supported = any(c.support is not None for s in sessions for c in s.calls)
@@ -369,10 +388,15 @@ def pack(
         )
     training, chains, lengths = _plan(sessions, width, truncation)
     rewards = _rewards(sessions, training, truncation)
-    advantages = compute_advantages(rewards, _group_ids(sessions, training), estimator)
+    group_ids = _group_ids(sessions, training)
+    advantages = compute_advantages(rewards, group_ids, estimator)
+    if drop_zero_advantage:
+        training, chains, lengths, advantages = _informative(
+            training, chains, lengths, advantages, group_ids
+        )
     row, offset, needed = _place(lengths, width)
     if rows is None:
-        rows = needed
+        rows = needed if row_multiple is None else max(1, -(-needed // row_multiple)) * row_multiple
     elif needed > rows:
         raise ValueError(
             f"rows: the chains of {len(training)} training sessions need {needed} rows of "
@@ -390,6 +414,28 @@ def pack(
 
         return packed_to_arrow(batch)
     return batch
+
+
+def _informative(
+    training: list[int],
+    chains: list[tuple[int, list[int]]],
+    lengths: np.ndarray,
+    advantages: np.ndarray,
+    group_ids: np.ndarray,
+) -> tuple[list[int], list[tuple[int, list[int]]], np.ndarray, np.ndarray]:
+    """The training sessions (with their chains and advantages) of the groups whose
+    advantages are not all 0."""
+    flat = np.ones(int(group_ids.max()) + 1 if group_ids.size else 0, bool)
+    np.logical_and.at(flat, group_ids, advantages == 0)
+    keep = ~flat[group_ids]
+    kept = {i for i, k in zip(training, keep.tolist(), strict=True) if k}
+    on = [i in kept for i, _ in chains]
+    return (
+        [i for i in training if i in kept],
+        [c for c, k in zip(chains, on, strict=True) if k],
+        lengths[np.asarray(on, dtype=bool)],
+        advantages[keep],
+    )
 
 
 class _Placed:
