@@ -116,9 +116,9 @@ def pipeline(
     curriculum: int = 0,  # with rollout="sync": passes over the training problems that a
     #   problem whose last group was all right sits out (dew_pipe.data.PassRateCurriculum;
     #   it needs problems that come again: set `problems`); 0: no curriculum
-    drop_zero_advantage: bool = False,  # with rollout="sync": train each update only on the
+    drop_zero_advantage: bool = False,  # with rollout="sync": run each update only on the
     #   problems whose group's rewards differ (all-right and all-wrong groups carry no
-    #   gradient; SampledRollout(drop_zero_advantage=True)), so late updates are cheaper
+    #   gradient; SampledRollout(drop_zero_advantage=True)): the same update, on fewer rows
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained

@@ -340,9 +340,10 @@ def pack(
         drop_zero_advantage: leave out the sessions of every (task, group) whose advantages
             are all exactly 0 (under "group", "mean" and "rloo": a group whose rewards are
             all equal). Their policy gradient is zero, so the update loses nothing but
-            their rows; the policy loss's token (or session) mean is then over the kept
-            sessions, as DAPO's dynamic sampling has it, and a KL term no longer sees them.
-            Their groups' baselines were computed before they left.
+            their rows. The policy loss's token (or session) mean is then over the kept
+            sessions, as in DAPO's dynamic sampling, and a KL term no longer sees them;
+            ``SampledRollout(drop_zero_advantage=True)`` scales the kept advantages to
+            keep the whole batch's mean instead.
         row_multiple: with ``rows=None``, round the rows the chains need up to a multiple
             of this, and give a batch with nothing to train one multiple of padding rows,
             so a stream of batches that shrink with ``drop_zero_advantage`` compiles its
