@@ -64,6 +64,19 @@ def reference_advantages(rewards, groups, estimator):
     return out
 
 
+def reference_training(sessions, truncation, estimator):
+    """The training sessions' indices, their (task, group) keys and reference advantages."""
+    training = [i for i, s in enumerate(sessions) if trains(s, truncation)]
+    rewards = [
+        0.0
+        if sessions[i].status is Status.TRUNCATED and truncation == "zero"
+        else sessions[i].reward
+        for i in training
+    ]
+    keys = [(sessions[i].task, sessions[i].group) for i in training]
+    return training, keys, reference_advantages(rewards, keys, estimator)
+
+
 def unpack(batch, n_sessions):
     """Recover, per (session, call), sampled ids, likelihoods, versions and prompt ids."""
     found = {}
@@ -169,15 +182,8 @@ def test_columns_are_consistent(data, extra, truncation, estimator):
     for name, dtype in CORE.items():
         assert batch[name].dtype == dtype and batch[name].shape == batch["input_ids"].shape
     assert "routed" not in batch and "support_ids" not in batch
-    training = [i for i, s in enumerate(sessions) if trains(s, truncation)]
-    rewards = [
-        0.0
-        if sessions[i].status is Status.TRUNCATED and truncation == "zero"
-        else sessions[i].reward
-        for i in training
-    ]
-    groups = [(sessions[i].task, sessions[i].group) for i in training]
-    advantage = dict(zip(training, reference_advantages(rewards, groups, estimator), strict=True))
+    training, _, reference = reference_training(sessions, truncation, estimator)
+    advantage = dict(zip(training, reference, strict=True))
     chains_of = {
         i: [sessions[i].calls[c[-1]] for c in structure[i]] for i in training if structure[i]
     }
@@ -243,15 +249,7 @@ def test_dropping_zero_advantage_groups_keeps_every_other_session_as_it_was(
         row_multiple=multiple,
     )
     # The groups to drop, from the reference estimators: every advantage exactly 0.
-    training = [i for i, s in enumerate(sessions) if trains(s, truncation)]
-    rewards = [
-        0.0
-        if sessions[i].status is Status.TRUNCATED and truncation == "zero"
-        else sessions[i].reward
-        for i in training
-    ]
-    keys = [(sessions[i].task, sessions[i].group) for i in training]
-    reference = reference_advantages(rewards, keys, estimator)
+    training, keys, reference = reference_training(sessions, truncation, estimator)
     moving = {k for k, a in zip(keys, reference, strict=True) if np.float32(a) != 0}
     expected = {i for i, k in zip(training, keys, strict=True) if k in moving}
     full_calls, kept_calls = unpack(full, len(sessions)), unpack(kept, len(sessions))
