@@ -1,6 +1,6 @@
 """One process of the two-process push check (tests/test_engine_push.py).
 
-    python tests/push_worker.py PROCESS_ID NUM_PROCESSES PORT GOOD_URL BAD_URL DIR OUT.json
+    python tests/push_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.json GOOD_URL BAD_URL DIR
 
 Every process builds the same tiny model and calls the same pushes, as a multi-process
 trainer does: version 1 to the replica at GOOD_URL (it accepts every step), then version 2
@@ -15,7 +15,7 @@ import sys
 import jax
 
 process_id, processes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-good, bad, directory, out = sys.argv[4:8]
+out, good, bad, directory = sys.argv[4:8]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{port}", num_processes=processes, process_id=process_id)
 

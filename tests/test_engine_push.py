@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from process_group import run_group
 from vllm_helpers import tiny_pretrained
 
 from dew_pipe.inference import (
@@ -383,46 +384,13 @@ def test_client_deadline_and_urls(silent):
 
 @pytest.mark.slow
 def test_two_processes_push_once_and_agree_on_failure(tmp_path, replicas):
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     good = replicas()
     bad = replicas({"/reset_prefix_cache": (200, {"success": False})})
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = str(sock.getsockname()[1])
     worker = Path(__file__).resolve().parent / "push_worker.py"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     outs = [tmp_path / f"{i}.json" for i in range(2)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(worker),
-                str(i),
-                "2",
-                port,
-                good.url,
-                bad.url,
-                str(tmp_path / "ckpt"),
-                str(out),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        for i, out in enumerate(outs)
-    ]
-    for proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, output.decode()[-3000:]
+    run_group(worker, outs, good.url, bad.url, str(tmp_path / "ckpt"))
     first, second = (json.loads(out.read_text()) for out in outs)
     assert "model.safetensors" in first["written"] and second["written"] == []  # process 0
     assert first["after_good"] == second["after_good"] == 1

@@ -137,7 +137,7 @@ class FitLoop:
                 batch = trainer.rollout(self.state, batch, key)
                 reported = _rollout_metrics(trainer.rollout)
             placed = trainer._place(batch, where, update=True)
-            self._check_shapes(placed, where, rows_vary=self.rows_vary)
+            self._check_shapes(placed, where)
             self.state, self.pending = trainer._step(self.state, placed)
             if reported:
                 self.pending = {**self.pending, **reported}
@@ -157,12 +157,10 @@ class FitLoop:
         self.resolve()
         return self.state
 
-    def _check_shapes(
-        self, batch: Mapping[str, jax.Array], where: str, rows_vary: bool = False
-    ) -> None:
+    def _check_shapes(self, batch: Mapping[str, jax.Array], where: str) -> None:
         """Every batch has the first one's layout; with ``rows_vary``, but for its rows."""
         shapes = {name: (tuple(v.shape), np.dtype(v.dtype)) for name, v in batch.items()}
-        if rows_vary:  # (_place has checked that every field has the same rows)
+        if self.rows_vary:  # (_place has checked that every field has the same rows)
             shapes = {name: ((None, *shape[1:]), dtype) for name, (shape, dtype) in shapes.items()}
         if self.shapes is None:
             self.shapes = shapes
@@ -170,7 +168,7 @@ class FitLoop:
         for name in sorted(set(shapes) | set(self.shapes)):
             now, first = shapes.get(name), self.shapes.get(name)
             if now != first:
-                more = " but for its rows" if rows_vary else ""
+                more = " but for its rows" if self.rows_vary else ""
                 raise ValueError(
                     f"{where} field {name!r} is {now} (shape, dtype) but the first batch had "
                     f"{first}; expected one layout for every batch{more} (a new layout "
