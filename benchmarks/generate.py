@@ -9,8 +9,10 @@ calls ``generate`` with its KV cache (greedy, no EOS, so every row runs the full
 dew_pipe runs `dew_pipe.inference.generate` in float32 and at the served precision
 (``--served-dtype``, default ``auto``: `dew_pipe.inference.served_precision`, bfloat16
 weights where the CPU multiplies bfloat16 natively, with float32 activations and cache on a
-CPU; float32 on AVX2-only CPUs), and the continuous-batching `Server` at the served
-precision (every row submitted at once, ``--steps-per-call`` ids per compiled call). The
+CPU; float32 on AVX2-only CPUs), the same split into ``--lanes`` lanes (``generate(...,
+lanes=N)``: N calls on N threads at once, by default one per core this process may use),
+and the continuous-batching `Server` at the served precision (every row submitted at once,
+``--steps-per-call`` ids per compiled call). The
 baseline is transformers at its best CPU setting in the same round: the fastest of float32
 and bfloat16, each with torch's default intra-op threads and with one (on a machine other
 jobs load, the default OpenMP threads spin at every barrier on a core they do not get, and
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -194,16 +197,17 @@ def measure(args: argparse.Namespace, python: str) -> dict:
         pretrained = models.load_pretrained(directory, max_seq_len=CONFIG["max_seq_len"])
         served, _ = served_model(pretrained.model, dtype, device.platform)
         served_vars = served_copy(pretrained.variables, dtype, device)
-        ours = {
-            "float32": (pretrained.model, pretrained.variables),
-            "served": (served, served_vars),
+        ours = {  # name: (model, variables, lanes)
+            "float32": (pretrained.model, pretrained.variables, 1),
+            "served": (served, served_vars, 1),
+            "lanes": (served, served_vars, args.lanes),
         }
 
         def call(name: str, batch: int, new: int) -> tuple[float, np.ndarray]:
-            m, v = ours[name]
+            m, v, lanes = ours[name]
             prompts, lengths = every[:batch], np.full(batch, P, np.int32)
             start = time.perf_counter()
-            out = generate(m, v, prompts, lengths, new, jax.random.key(0), greedy)
+            out = generate(m, v, prompts, lengths, new, jax.random.key(0), greedy, lanes=lanes)
             ids = np.asarray(out.ids)  # includes the device-to-host copy
             return time.perf_counter() - start, ids
 
@@ -223,16 +227,18 @@ def measure(args: argparse.Namespace, python: str) -> dict:
                     steps_per_call=args.steps_per_call, buckets=(P,), gather_s=1.0,
                 )  # fmt: skip
                 try:
-                    row = {k: [] for k in ("float32", "served", "prefill", "server")}
+                    row = {k: [] for k in ("float32", "served", "lanes", "server")}
+                    row.update(prefill=[], lanes_prefill=[])
                     row.update({f"torch_{d}_{t}": [] for d in TORCH_DTYPES for t in THREADS})
                     row["bandwidth"] = []
                     compile_s = {n: call(n, batch, R)[0] for n in ours}
-                    call("served", batch, 1), serve(server, batch)
+                    call("served", batch, 1), call("lanes", batch, 1), serve(server, batch)
                     for _ in range(args.rounds):
                         for name in ours:
                             seconds, row[f"{name}_ids"] = call(name, batch, R)
                             row[name].append(seconds)
                         row["prefill"].append(call("served", batch, 1)[0])
+                        row["lanes_prefill"].append(call("lanes", batch, 1)[0])
                         seconds, row["server_ids"] = serve(server, batch)
                         row["server"].append(seconds)
                         for name in TORCH_DTYPES:
@@ -272,6 +278,7 @@ def report(args: argparse.Namespace, runs: dict) -> None:
         names = (
             ("dew_pipe generate, float32", "float32"),
             (f"dew_pipe generate, served {runs['served']}", "served"),
+            (f"dew_pipe generate, served {runs['served']}, {args.lanes} lanes", "lanes"),
             (f"dew_pipe Server, served {runs['served']}", "server"),
             *(
                 (f"transformers, {d}, {t} threads", f"torch_{d}_{t}")
@@ -287,21 +294,26 @@ def report(args: argparse.Namespace, runs: dict) -> None:
                 f"{med(best_torch) / seconds:.2f}x (per round {med(ratios):.2f}x, "
                 f"{min(ratios):.2f}-{max(ratios):.2f}) |"
             )
-        decode = [t - p for t, p in zip(row["served"], row["prefill"], strict=True)]
-        step_s = med(decode) / (args.new - 1)
         floor = row["bytes"] / (med(reads) * 1e9)
-        print(
-            f"roofline (served): {row['bytes'] / 2**20:.1f} MiB read per decode step, "
-            f"{floor * 1e3:.3f} ms at {med(reads):.1f} GB/s; measured {step_s * 1e3:.3f} ms "
-            f"per step (prefill {med(row['prefill']) * 1e3:.1f} ms): {floor / step_s:.0%}"
-        )
+        for label, key, prefill in (
+            ("served", "served", "prefill"),
+            (f"served, {args.lanes} lanes", "lanes", "lanes_prefill"),
+        ):
+            decode = [t - p for t, p in zip(row[key], row[prefill], strict=True)]
+            step_s = med(decode) / (args.new - 1)
+            print(
+                f"roofline ({label}): {row['bytes'] / 2**20:.1f} MiB read per decode step, "
+                f"{floor * 1e3:.3f} ms at {med(reads):.1f} GB/s; measured {step_s * 1e3:.3f} "
+                f"ms per step (prefill {med(row[prefill]) * 1e3:.1f} ms): {floor / step_s:.0%}"
+            )
         same = lambda a, b, row=row: f"{(row[a] == row[b]).mean():.1%}"  # noqa: E731
         print(
             "same greedy ids: float32 vs transformers float32 "
             f"{same('float32_ids', 'torch_float32_ids')}; served vs transformers bfloat16 "
             f"{same('served_ids', 'torch_bfloat16_ids')}; served vs float32 "
             f"{same('served_ids', 'float32_ids')}; Server vs generate (served) "
-            f"{same('server_ids', 'served_ids')}"
+            f"{same('server_ids', 'served_ids')}; {args.lanes} lanes vs one "
+            f"{same('lanes_ids', 'served_ids')}"
         )
         print(f"first call (compile): {', '.join(f'{k} {v:.1f} s' for k, v in row['compile_s'].items())}")  # fmt: skip
 
@@ -315,6 +327,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--served-dtype", default="auto", help="auto, float32 or bfloat16")
     parser.add_argument("--steps-per-call", type=int, default=16, help="the Server's")
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="generate(lanes=...) of the extra served row (default: the cores this process may use)",
+    )
     parser.add_argument("--bandwidth-mb", type=int, default=512, help="array size, MiB")
     add_reference_argument(parser)
     parser.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)

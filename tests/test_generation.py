@@ -10,6 +10,7 @@ from test_sampling import log_softmax, reference_filtered
 
 from dew_pipe import models
 from dew_pipe.inference import Generation, TextGeneration, decode_step, generate
+from dew_pipe.inference.generation import Generated
 from dew_pipe.objectives.rl.sessions import Call
 from dew_pipe.sampling import Sampling
 
@@ -132,6 +133,46 @@ def test_first_draw_frequencies_match_behavior_probabilities(setup):
     )
 
 
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_lanes_give_the_one_call_greedy_outputs(setup, lanes):
+    model, variables, _ = setup
+    prompts, lengths = left_padded(PROMPTS)
+    budgets = np.array([5, 3, 4])  # per-row budgets; with 2 lanes the second is padded
+    one = generate(model, variables, prompts, lengths, budgets, jax.random.key(0), Sampling(7, 0))
+    split = generate(
+        model, variables, prompts, lengths, budgets, jax.random.key(0), Sampling(7, 0), lanes=lanes
+    )
+    for field in ("ids", "lengths", "stopped", "behavior_log_probs"):
+        np.testing.assert_array_equal(getattr(split, field), getattr(one, field), err_msg=field)
+    np.testing.assert_allclose(split.log_probs, one.log_probs, atol=1e-6)
+    assert split.support is None
+
+
+def test_each_lane_samples_its_rows_with_its_own_key(setup):
+    model, variables, _ = setup
+    prompts, lengths = left_padded(PROMPTS)
+    key, sampling = jax.random.key(3), Sampling(temperature=1.3, top_k=8)
+    split = generate(model, variables, prompts, lengths, 4, key, sampling, support=True, lanes=2)
+    assert split.ids.shape == (3, 4) and split.support.shape == (3, 4, CONFIG["vocab_size"])
+    for lane, rows in enumerate(([0, 1], [2, 2])):  # lane 1: row 2 and its padding copy
+        alone = generate(
+            model,
+            variables,
+            prompts[rows],
+            lengths[rows],
+            4,
+            jax.random.fold_in(key, lane),
+            sampling,
+            support=True,
+        )
+        kept = slice(2 * lane, min(2 * lane + 2, 3))
+        real = len(range(3)[kept])
+        for field in Generated._fields:
+            np.testing.assert_array_equal(
+                getattr(split, field)[kept], getattr(alone, field)[:real], err_msg=field
+            )
+
+
 @pytest.mark.parametrize("split_layers", [True, False])
 def test_decode_step_leaves_a_finished_rows_cache_alone(setup, split_layers):
     model, variables, _ = setup
@@ -234,6 +275,9 @@ def test_decode_step_refuses_to_split_other_models(setup):
         (dict(sampling=Sampling(eos_id=40)), ValueError, "eos_id contains 40"),
         (dict(sampling="greedy"), TypeError, "sampling is 'greedy'"),
         (dict(pad_id=-1), ValueError, "pad_id is -1"),
+        (dict(lanes=0), ValueError, "lanes is 0"),
+        (dict(lanes=3), ValueError, "lanes is 3"),
+        (dict(lanes=2.0), TypeError, "lanes is 2.0"),
     ],
 )
 def test_generate_refuses_bad_input(setup, change, error, match):
@@ -245,12 +289,14 @@ def test_generate_refuses_bad_input(setup, change, error, match):
         sampling=Sampling(),
         pad_id=0,
         capacity=None,
+        lanes=1,
     )
     args.update(change)
     with pytest.raises(error, match=match):
         generate(
             model, variables, args["prompts"], args["prompt_lengths"], args["max_new_tokens"],
             jax.random.key(0), args["sampling"], pad_id=args["pad_id"], capacity=args["capacity"],
+            lanes=args["lanes"],
         )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ transformers' ``generate``.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -106,6 +107,7 @@ def generate(
     support: bool = False,
     pad_id: int = 0,
     capacity: int | None = None,
+    lanes: int = 1,
 ) -> Generated:
     """Samples up to ``max_new_tokens`` ids for each left-padded prompt, in one compiled call.
 
@@ -123,13 +125,23 @@ def generate(
         pad_id: the id written after a row has finished.
         capacity: the compiled budget ``R`` (the outputs' width), at least every row's
             budget; None means the largest budget. ``P + R - 1`` must fit ``max_seq_len``.
+        lanes: split the rows into this many contiguous lanes of ``ceil(B / lanes)`` rows
+            (the last one padded with copies of its first row, so one compile serves them
+            all; fewer lanes where the rows run out) and run the lanes' compiled calls at
+            once, each on a thread of its own. At small batches XLA's CPU
+            backend keeps a decode step on one core, so two lanes on two cores take about
+            the time of one half-size batch (``benchmarks/generate.py``). Lane ``l`` draws
+            with ``fold_in(key, l)`` when ``lanes > 1``, so sampled ids depend on ``lanes``
+            (greedy ones do not, up to float rounding across batch shapes); each lane stops
+            when its own rows have finished.
 
     Returns:
         A `Generated` of device arrays.
 
     Raises:
         TypeError / ValueError: bad shapes, dtypes, lengths or budgets, ids out of the
-            vocabulary, EOS ids out of the vocabulary, or ``P + R - 1 > max_seq_len``.
+            vocabulary, EOS ids out of the vocabulary, ``P + R - 1 > max_seq_len``, or
+            ``lanes`` outside ``[1, B]``.
 
     Example:
         >>> out = generate(model, variables, prompts, lengths, 8, jax.random.key(0),
@@ -153,19 +165,64 @@ def generate(
             f"prompt_len ({width}) + max_new_tokens ({room}) - 1 = {width + room - 1} "
             f"exceeds the model's max_seq_len={cfg.max_seq_len}"
         )
-    return _compiled(
-        model,
-        variables,
-        model.init_cache(len(lengths), width + room - 1),
-        jnp.asarray(prompts, jnp.int32),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(limits),
-        key,
-        budget=room,
-        sampling=sampling,
-        support=bool(support),
-        pad_id=int(pad_id),
+    lanes = check_int("lanes", lanes, minimum=1, maximum=len(lengths))
+    options = dict(budget=room, sampling=sampling, support=bool(support), pad_id=int(pad_id))
+    if lanes == 1:
+        return _compiled(
+            model,
+            variables,
+            model.init_cache(len(lengths), width + room - 1),
+            jnp.asarray(prompts, jnp.int32),
+            jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(limits),
+            key,
+            **options,
+        )
+    return _in_lanes(
+        model, variables, prompts, lengths, limits, key, lanes, width + room - 1, options
     )
+
+
+def _in_lanes(
+    model: Any,
+    variables: Any,
+    prompts: Any,
+    lengths: np.ndarray,
+    limits: np.ndarray,
+    key: jax.Array,
+    lanes: int,
+    slots: int,
+    options: dict[str, Any],
+) -> Generated:
+    """`generate`'s rows as ``lanes`` equal calls running at once, joined row-wise."""
+    rows = len(lengths)
+    size = -(-rows // lanes)  # rows per lane; ceil(rows / size) lanes have real rows
+    prompts = jnp.asarray(prompts, jnp.int32)
+
+    def lane(index: int) -> Generated:
+        take = np.arange(index * size, (index + 1) * size)
+        take = np.where(take < rows, take, index * size)  # padding: the lane's first row
+        out = _compiled(
+            model,
+            variables,
+            model.init_cache(size, slots),
+            prompts[take],
+            jnp.asarray(lengths[take], jnp.int32),
+            jnp.asarray(limits[take]),
+            jax.random.fold_in(key, index),
+            **options,
+        )
+        return jax.block_until_ready(out)  # on this lane's thread, so the calls overlap
+
+    used = -(-rows // size)
+    with ThreadPoolExecutor(used, thread_name_prefix="dew-generate-lane") as pool:
+        parts = list(pool.map(lane, range(used)))
+
+    def joined(field: str) -> jax.Array | None:
+        values = [getattr(part, field) for part in parts]
+        return None if values[0] is None else jnp.concatenate(values)[:rows]
+
+    return Generated(*(joined(field) for field in Generated._fields))
 
 
 def generate_in_chunks(
