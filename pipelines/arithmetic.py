@@ -119,6 +119,11 @@ def pipeline(
     drop_zero_advantage: bool = False,  # with rollout="sync": run each update only on the
     #   problems whose group's rewards differ (all-right and all-wrong groups carry no
     #   gradient; SampledRollout(drop_zero_advantage=True)): the same update, on fewer rows
+    guide: bool = False,  # with rollout="sync": a problem whose completions all earned
+    #   the same reward trains on the task's reference answer in place of its last one
+    #   when that answer scores higher (SampledRollout(guide=task.reference): the policy
+    #   never samples an answer it gives almost no probability, so such a group alone
+    #   trains nothing)
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
@@ -180,6 +185,13 @@ def pipeline(
         )
     if not isinstance(drop_zero_advantage, bool):
         raise TypeError(f"drop_zero_advantage is {drop_zero_advantage!r}; expected True or False")
+    if not isinstance(guide, bool):
+        raise TypeError(f"guide is {guide!r}; expected True or False")
+    if guide and rollout != "sync":
+        raise ValueError(
+            f"guide is True with rollout={rollout!r}; the reference answers go into the "
+            "synchronous loop's groups: set rollout='sync' or guide=False"
+        )
     if drop_zero_advantage and rollout != "sync":
         raise ValueError(
             f"drop_zero_advantage is True with rollout={rollout!r}; the pipeline's pack stage "
@@ -534,6 +546,7 @@ class ArithmeticJob:
             truncation="zero",  # as the pipeline: an answer without EOS is wrong
             pad_id=task.pad_id,
             drop_zero_advantage=s.drop_zero_advantage,
+            guide=task.reference if s.guide else None,
         )
 
         def log(record: dict[str, Any]) -> None:
@@ -545,6 +558,8 @@ class ArithmeticJob:
             extra["flat"] = round(record["rollout/groups/zero_advantage"], 4)  # trained nothing
             if s.drop_zero_advantage:
                 extra["rows"] = int(record["rollout/rows"])  # what the update ran on
+            if s.guide:
+                extra["guided"] = round(record["rollout/groups/guided"], 4)
             values = update_values(record, reward, **extra)
             del values["waited_s"]  # nothing waits for a rollout here
             self.context.log(step=record["step"], phase="grpo", **values)

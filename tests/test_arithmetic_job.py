@@ -249,6 +249,25 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
     # an update's rows: one per completion of each problem that is not flat, at least 2
     assert [r["rows"] for r in updates] == [max(2, round(4 * (1 - f)) * 4) for f in flat]
     assert sum(r["rows"] for r in updates) < 8 * 16  # flat groups (even truths) left out
+    # guide: the untrained model answers nothing right, and near-greedy sampling gives each
+    # problem one reply G times, so every group is collapsed at 0 and trains on the task's
+    # reference answer instead
+    with pytest.raises(ValueError, match="guide is True with rollout='async'"):
+        module.pipeline(guide=True)
+    with pytest.raises(TypeError, match="guide is 1; expected True or False"):
+        module.pipeline(guide=1, rollout="sync")
+    led = module.pipeline(
+        **{**settings, "grpo_steps": 2}, rollout="sync", guide=True, temperature=1e-3
+    )
+    out = tmp_path / "guided"
+    out.mkdir()
+    with MetricsWriter(out / "metrics.jsonl") as metrics:
+        context = RunContext(out, {}, metrics, Display(Console(file=io.StringIO()), live=False))
+        led.grpo(context, model, params, prompts=led.task.prompts("train", 8, seed=0).load(4))
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in logged if r.get("phase") == "grpo" and "loss" in r]
+    assert len(updates) == 2 and all(r["guided"] == 1.0 for r in updates)
+    assert all(r["flat"] == 0.0 for r in updates)  # every group now has its winner
 
 
 def test_proximal_in_step_must_be_a_bool():

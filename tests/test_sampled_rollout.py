@@ -311,6 +311,94 @@ def test_a_batch_with_nothing_to_learn_keeps_one_multiple_of_padding(known):
     assert float(loss) == 0.0
 
 
+def test_a_flat_group_trains_on_the_guides_reference(known):
+    """Greedy sampling makes every group flat. Prompt 0's completions (3 4 5 6) are all
+    wrong and the guide's reply (3 4 EOS) is right, so it replaces the group's last
+    completion, with the policy's own likelihoods; prompt 1's are all right already, and
+    prompt 2 has no reference."""
+    batch = prompt_batch([[1, 2], [3, 4, 5], [1, 2]], 3, ground_truth=["3 4", "6", "none"])
+    objective = GRPOObjective(known.model, seq_len=6)
+    asked = []
+
+    def guide(data_source, ground_truth, extra_info):
+        asked.append(ground_truth)
+        return None if ground_truth == "none" else [int(t) for t in ground_truth.split()] + [EOS]
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        return float(completion == ground_truth)
+
+    rollout = SampledRollout(objective, reward, 2, 4, GREEDY, guide=guide)
+    packed = rollout(state_at(known.variables, 3), batch, jax.random.key(0))
+    assert asked == ["3 4", "6", "none"]
+    sessions = rollout.last_sessions
+    assert [s.reward for s in sessions] == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    reference = sessions[1]
+    assert reference.calls[0].sampled_ids.tolist() == [3, 4, EOS]
+    assert reference.status is Status.COMPLETED and reference.sample == 1
+    assert sessions[0].calls[0].sampled_ids.tolist() == [3, 4, 5, 6]  # sampled, kept
+    row = packed["session_index"] == 1
+    assert packed["input_ids"][row.any(axis=1)][0][:5].tolist() == [1, 2, 3, 4, EOS]
+    want = [log_softmax(known.logits[a])[b] for a, b in ((2, 3), (3, 4), (4, EOS))]
+    np.testing.assert_allclose(packed["behavior_log_probs"][row], want, atol=1e-5)
+    np.testing.assert_allclose(packed["old_log_probs"][row], want, atol=1e-5)
+    np.testing.assert_array_equal(packed["versions"][row], 3)
+    sampled = packed["session_index"] == 0  # greedy: its ids were certain
+    np.testing.assert_array_equal(packed["behavior_log_probs"][sampled], 0.0)
+    advantages = {i: float(packed["advantages"][packed["session_index"] == i][0]) for i in range(6)}
+    assert advantages[0] < 0 < advantages[1]  # the reference wins its group
+    assert advantages[2] == advantages[3] == advantages[4] == advantages[5] == 0.0
+    metrics = rollout.metrics()
+    assert metrics["groups/guided"] == pytest.approx(1 / 3)
+    assert metrics["reward/mean"] == pytest.approx(2 / 6)  # the sampled completions'
+    assert metrics["groups/zero_advantage"] == pytest.approx(2 / 3)
+
+
+def test_groups_that_still_explore_are_left_to_sampling(known):
+    """All wrong but not all alike (hot sampling): no reference goes in."""
+    batch = prompt_batch([[1, 2], [3, 4, 5]], 3)
+    objective = GRPOObjective(known.model, seq_len=6)
+    hot = Sampling(eos_id=EOS, temperature=4.0)
+    rollout = SampledRollout(objective, lambda *a: 0.0, 4, 4, hot, guide=lambda *a: [3, EOS])
+    rollout(state_at(known.variables, 0), batch, jax.random.key(0))
+    sessions = rollout.last_sessions
+    replies = [
+        {s.calls[0].sampled_ids.tobytes() for s in sessions[4 * g : 4 * g + 4]} for g in (0, 1)
+    ]
+    assert all(len(r) > 1 for r in replies)  # the premise: each group's replies differ
+    assert rollout.metrics()["groups/guided"] == 0.0
+    assert all(s.reward == 0.0 for s in sessions)
+
+
+def test_bad_guides_are_refused_naming_the_prompt(known):
+    objective = GRPOObjective(known.model, seq_len=6)
+    batch = prompt_batch([[1, 2]], 3)
+    zero = lambda *a: 0.0  # noqa: E731  every group all wrong: the guide is always asked
+    with pytest.raises(TypeError, match="guide is 'ref'"):
+        SampledRollout(objective, zero, 2, 4, GREEDY, guide="ref")
+    with pytest.raises(ValueError, match="guide is set but sampling has no eos_id"):
+        SampledRollout(objective, zero, 2, 4, Sampling(temperature=0), guide=lambda *a: [EOS])
+    cases = [
+        ([3, 4, 5, 6, EOS], ValueError, "guide returned 5 ids on prompt 0; expected 1 to max"),
+        ([3, 4], ValueError, "ends in its only EOS id"),
+        ([EOS, 3, EOS], ValueError, "ends in its only EOS id"),
+        ([3, 9, EOS], ValueError, "ids in \\[3, 9\\] on prompt 0; expected ids in \\[0, 8\\)"),
+        ([3.0, EOS], TypeError, "guide returned float64"),
+        ([[3, EOS]], TypeError, "expected 1-D integer token ids"),
+    ]
+    for ids, error, match in cases:
+        rollout = SampledRollout(objective, zero, 2, 4, GREEDY, guide=lambda *a, ids=ids: ids)
+        with pytest.raises(error, match=match):
+            rollout(state_at(known.variables, 0), batch, jax.random.key(0))
+
+    def broken(*args):
+        raise KeyError("answer")
+
+    rollout = SampledRollout(objective, zero, 2, 4, GREEDY, guide=broken)
+    with pytest.raises(RuntimeError, match="guide raised on prompt 0: KeyError") as raised:
+        rollout(state_at(known.variables, 0), batch, jax.random.key(0))
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
 # ----------------------------------------------------------------- failures
 
 

@@ -23,6 +23,10 @@ reward metadata as ``[B, M]`` UTF-8 byte columns) into the packed ``[N, P + R]``
    N shrinks to the rows the rest need, rounded up to ``row_multiple``, and the kept
    advantages are scaled so that the update is the one the whole batch would give.
 
+With a ``guide``, a prompt whose G completions are all the same reply gets its last
+completion replaced by the guide's reference reply when that reply earns more (see
+`SampledRollout`), before packing.
+
 After each call :meth:`SampledRollout.metrics` reports the reward mean, the share of
 completions with a positive reward, the mean response length, the truncated share, the
 share of prompts that train nothing and the batch's rows; the Trainer logs them under
@@ -110,17 +114,37 @@ class SampledRollout:
         row_multiple: with ``drop_zero_advantage``, the batch's rows are a multiple of this;
             None takes an eighth of ``B * G`` (rounded up), so the update compiles for at
             most eight shapes.
+        guide: None, or ``guide(data_source, ground_truth, extra_info) -> ids``: the token
+            ids of a reference reply to the prompt (ending in an EOS id of ``sampling``, at
+            most ``max_new_tokens`` ids), or None where there is none. On-policy sampling
+            never draws a reply the policy gives almost no probability, so a prompt whose
+            G completions are the same wrong reply trains nothing, however long the run
+            (`benchmarks/RESULTS.md`, the embedded job's weak hand-over). With a guide, a
+            collapsed group (all G completions the same ids, so the same reward) has its
+            last completion replaced by the reference when the reward scores the reference
+            higher, so the group has a winner to move towards (off-policy guidance, as in
+            LUFFY). Groups whose completions differ are left to sampling even when their
+            rewards are all equal: guiding every all-wrong group of a weak policy crowds
+            the sampled groups' gradient out under the norm clip (on the arithmetic task
+            one seed stalled at 40%). The reference's
+            behavior and old log-probabilities are the policy's own at the sampling
+            temperature (one scoring pass over the packed batch, under the same
+            parameters), so its importance weight is 1 and it trains as if sampled. The
+            rewards in :meth:`metrics` stay those of the sampled completions;
+            ``groups/guided`` counts the replaced groups.
 
     Attributes:
         last_sessions: the ``B * G`` one-call sessions of the last call, in packing order
-            (``session_index``), with their statuses and rewards.
+            (``session_index``), with their statuses and rewards (a guided group's last
+            one is the reference, as trained).
 
     Raises:
         TypeError: an objective without ``model``/``seq_len``, a reward or decode that is
             not callable, a ``sampling`` that is not a `Sampling`.
         ValueError: ``groups < 2``, ``max_new_tokens < 1``, an unknown estimator or
             truncation, EOS ids outside the model's vocabulary, ``row_multiple < 1`` or
-            ``row_multiple`` without ``drop_zero_advantage``.
+            ``row_multiple`` without ``drop_zero_advantage``, a ``guide`` with a
+            ``sampling`` that has no EOS id.
 
     Example:
         >>> import optax
@@ -160,6 +184,7 @@ class SampledRollout:
         pad_id: int = 0,
         drop_zero_advantage: bool = False,
         row_multiple: int | None = None,
+        guide: Callable[[str, str, str], Sequence[int] | np.ndarray | None] | None = None,
     ) -> None:
         model = getattr(objective, "model", None)
         seq_len = getattr(objective, "seq_len", None)
@@ -204,6 +229,19 @@ class SampledRollout:
             )
         self.drop_zero_advantage = drop_zero_advantage
         self.row_multiple = row_multiple
+        if guide is not None:
+            if not callable(guide):
+                raise TypeError(
+                    f"guide is {guide!r}; expected None or guide(data_source, ground_truth, "
+                    "extra_info) -> reference ids"
+                )
+            if sampling.eos_id is None:
+                raise ValueError(
+                    "guide is set but sampling has no eos_id; a reference reply ends in an "
+                    "EOS id, so expected Sampling(eos_id=...)"
+                )
+            self._log_probs = jax.jit(objective.packed_log_probs)
+        self.guide = guide
         self.last_sessions: list[Session] = []
         self._metrics: dict[str, float] = {}
 
@@ -275,6 +313,9 @@ class SampledRollout:
                 )
                 status = Status.COMPLETED if stopped else Status.TRUNCATED
                 sessions.append(Session(row, row, sample, 0, [call], status, score))
+        sampled, guided = sessions, []
+        if self.guide is not None:
+            sessions, guided = self._guided(sessions, prompt, lengths, metadata, version)
         if self.drop_zero_advantage:
             multiple = self.row_multiple or -(-len(sessions) // 8)
             rows, shape = None, {"drop_zero_advantage": True, "row_multiple": multiple}
@@ -288,11 +329,94 @@ class SampledRollout:
             truncation=self.truncation,
             **shape,
         )
+        if guided:
+            # The references were not sampled: give them the policy's own likelihoods.
+            scored = np.asarray(self._log_probs(state.params, packed))
+            where = np.isin(packed["session_index"], guided) & (packed["response_mask"] == 1)
+            packed["behavior_log_probs"][where] = scored[where]
+            packed["old_log_probs"][where] = scored[where]
         if self.drop_zero_advantage:
             packed["advantages"] *= self._kept_share(sessions, packed)
         self.last_sessions = sessions
-        self._metrics = _summary(sessions, groups, packed["advantages"], packed["session_index"])
+        self._metrics = _summary(sampled, groups, packed["advantages"], packed["session_index"])
+        if self.guide is not None:
+            self._metrics["groups/guided"] = len(guided) / prompt.shape[0]
         return packed
+
+    def _guided(
+        self,
+        sessions: list[Session],
+        prompt: np.ndarray,
+        lengths: np.ndarray,
+        metadata: dict[str, list[str]],
+        version: int,
+    ) -> tuple[list[Session], list[int]]:
+        """``sessions`` with each collapsed group's last completion (all G the same reply)
+        replaced by the guide's reference where the reward scores it higher; and the
+        replaced sessions' indices."""
+        groups, width = self.groups, prompt.shape[1]
+        out, guided = list(sessions), []
+        for row in range(prompt.shape[0]):
+            group = sessions[row * groups : (row + 1) * groups]
+            rewards = {s.reward for s in group if trains(s, self.truncation)}
+            if len(rewards) > 1:
+                continue  # mixed: the group has its own signal
+            if len({s.calls[0].sampled_ids.tobytes() for s in group}) > 1:
+                continue  # still exploring: sampling may yet find a better reply
+            ids = self._reference(metadata, row)
+            if ids is None:
+                continue
+            text = self._decode(ids[:-1], row, groups - 1)
+            score = self._score(metadata, row, groups - 1, text)
+            if rewards and score <= max(rewards):
+                continue  # the reference does no better than what was sampled
+            zeros = np.zeros(ids.size, np.float32)  # set from a scoring pass after packing
+            call = Call(
+                prompt[row, width - int(lengths[row]) :],
+                ids,
+                zeros,
+                "stop",
+                version,
+                log_probs=zeros,
+            )
+            index = row * groups + groups - 1
+            out[index] = Session(row, row, groups - 1, 0, [call], Status.COMPLETED, score)
+            guided.append(index)
+        return out, guided
+
+    def _reference(self, metadata: dict[str, list[str]], row: int) -> np.ndarray | None:
+        """The guide's reference ids for prompt ``row``, checked; None where it has none."""
+        source, truth, extra = (metadata[name][row] for name in _METADATA)
+        try:
+            ids = self.guide(source, truth, extra)
+        except Exception as error:
+            raise RuntimeError(f"guide raised on prompt {row}: {error!r}") from error
+        if ids is None:
+            return None
+        array = np.asarray(ids)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise TypeError(
+                f"guide returned {array.dtype} with shape {array.shape} on prompt {row}; "
+                "expected 1-D integer token ids or None"
+            )
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if not 1 <= array.size <= self.max_new_tokens:
+            raise ValueError(
+                f"guide returned {array.size} ids on prompt {row}; expected 1 to "
+                f"max_new_tokens={self.max_new_tokens}, ending in EOS"
+            )
+        if array.min() < 0 or (vocab is not None and array.max() >= vocab):
+            raise ValueError(
+                f"guide returned ids in [{array.min()}, {array.max()}] on prompt {row}; "
+                f"expected ids in [0, {vocab})"
+            )
+        eos = self.sampling.eos_ids
+        if int(array[-1]) not in eos or np.isin(array[:-1], eos).any():
+            raise ValueError(
+                f"guide returned {array.tolist()} on prompt {row}; expected a reply that ends "
+                f"in its only EOS id (one of {list(eos)})"
+            )
+        return array.astype(np.int32)
 
     def metrics(self) -> dict[str, float]:
         """Numbers about the last call's completions, for logging.
@@ -302,7 +426,9 @@ class SampledRollout:
         ``response/truncated`` (share that ran out of budget), ``groups/zero_advantage``
         (share of prompts none of whose completions has a nonzero advantage in the batch:
         they train nothing, and ``drop_zero_advantage`` leaves them out) and ``rows`` (the
-        packed batch's rows). Empty before the first call.
+        packed batch's rows); with a ``guide``, ``groups/guided`` (share of prompts whose
+        last completion was replaced by the reference). The rewards are the sampled
+        completions'. Empty before the first call.
         """
         return dict(self._metrics)
 

@@ -49,6 +49,7 @@ from dew_pipe.tasks.problems import (
     MAX_DIGITS,
     Problems,
     check_operations,
+    format_answer,
     held_out,
     is_correct,
     sample_problems,
@@ -93,13 +94,18 @@ def reward(data_source: str, completion: str, ground_truth: str, extra_info: str
         >>> reward("arithmetic/plain", "225</s>", "522", "")
         0.0
     """
+    return float(is_correct(completion, ground_truth, _answer_format(data_source)))
+
+
+def _answer_format(data_source: str) -> str:
+    """The answer format a ``data_source`` names (``"arithmetic/<format>"``), checked."""
     prefix, _, answer_format = str(data_source).partition("/")
     if prefix != DATA_SOURCE or answer_format not in FORMATS:
         raise ValueError(
             f"data_source is {data_source!r}; expected one of "
             f"{[f'{DATA_SOURCE}/{f}' for f in FORMATS]}"
         )
-    return float(is_correct(completion, ground_truth, answer_format))
+    return answer_format
 
 
 def _encode(texts: list[str]) -> list[np.ndarray]:
@@ -210,6 +216,27 @@ class ArithmeticTask:
         from dew_pipe.tasks.char_tokenizer import build_char_tokenizer
 
         return build_char_tokenizer(ALPHABET)
+
+    def reference(self, data_source: str, ground_truth: str, extra_info: str = "") -> np.ndarray:
+        """The reply SFT teaches for a problem, as token ids (the answer, then EOS), from
+        the reward's fields: a ``SampledRollout(guide=task.reference)``.
+
+        Raises:
+          ValueError: an unknown data_source, or a ground truth that is not an integer.
+
+        Example:
+            >>> ArithmeticTask(seed=0).reference("arithmetic/reversed", "522").tolist()
+            [6, 6, 9, 2]
+        """
+        answer_format = _answer_format(data_source)
+        try:
+            value = int(ground_truth)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"ground_truth is {ground_truth!r}; expected an integer in decimal"
+            ) from None
+        answer = _encode([format_answer(value, answer_format)])[0]
+        return np.concatenate([answer, [EOS_ID]]).astype(np.int32)
 
     def decode(self, ids: Any) -> str:
         """Text of token ids with special tokens spelled out (``</s>`` kept), like
