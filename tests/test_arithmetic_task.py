@@ -183,6 +183,35 @@ def test_reward_refuses_bad_input():
         reward("arithmetic/plain", "7", 7, "")
 
 
+@pytest.mark.parametrize("answer_format", ["plain", "reversed"])
+def test_the_reference_reply_is_what_sft_teaches_and_what_the_reward_pays(answer_format):
+    task = ArithmeticTask(seed=1, operations="+-*", answer_format=answer_format, test_size=200)
+    records = task.records("test")
+    sft = task.sft_rows(0, 4, 64)  # the SFT documents: prompt, answer, EOS
+    assert any(v < 0 for v in map(_exact, (r["prompt"] for r in records)))  # a minus sign too
+    for record in records:
+        ids = task.reference(record["data_source"], record["ground_truth"])
+        assert ids.dtype == np.int32 and ids[-1] == task.eos_id
+        text = task.decode(ids)
+        assert text[:-4] == format_answer(_exact(record["prompt"]), answer_format)
+        assert reward(record["data_source"], text, record["ground_truth"], "") == 1.0
+    # the ids SFT trains on after each prompt (its ASSISTANT span)
+    source, where = f"arithmetic/{answer_format}", sft["text_segment_ids"][0] == 1
+    ids, roles = sft["text"][0][where], sft["text_roles"][0][where]
+    prompt = task.decode(ids[roles == Role.USER])
+    np.testing.assert_array_equal(
+        task.reference(source, str(_exact(prompt))), ids[roles == Role.ASSISTANT]
+    )
+
+
+def test_the_reference_refuses_bad_fields():
+    task = ArithmeticTask(seed=0)
+    with pytest.raises(ValueError, match="data_source is 'gsm8k'"):
+        task.reference("gsm8k", "7")
+    with pytest.raises(ValueError, match="ground_truth is 'seven'; expected an integer"):
+        task.reference("arithmetic/plain", "seven")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
