@@ -39,7 +39,9 @@ the first 53 updates, 99.8% after 600). ``benchmarks/RESULTS.md`` records what e
 contributed on seeds 0-4 and how long the default takes. From a start before the jump,
 ``rollout="sync"`` with ``curriculum=1`` (a :class:`~dew_pipe.data.PassRateCurriculum`
 that rests the problems whose last group was all right) is what gets GRPO past the
-stall: see the time-to-accuracy section there.
+stall: see the time-to-accuracy section there. Adding ``guide=True`` fills the one gap
+sampling cannot: a problem the model answers wrong with near certainty, the same reply in
+every completion, trains on the task's reference answer (``SampledRollout(guide=...)``).
 """
 
 from __future__ import annotations
