@@ -236,13 +236,7 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
         module.pipeline(drop_zero_advantage=1, rollout="sync")
     lean = module.pipeline(**settings, rollout="sync", drop_zero_advantage=True)
     lean.task.reward = job.task.reward
-    out = tmp_path / "lean"
-    out.mkdir()
-    with MetricsWriter(out / "metrics.jsonl") as metrics:
-        context = RunContext(out, {}, metrics, Display(Console(file=io.StringIO()), live=False))
-        lean.grpo(context, model, params, prompts=lean.task.prompts("train", 32, seed=0).load(4))
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in logged if r.get("phase") == "grpo" and "loss" in r]
+    updates = _grpo_updates(lean, model, params, 32, tmp_path / "lean")
     assert len(updates) == 8
     flat = [r["flat"] for r in updates]
     assert all(r["rows"] % 2 == 0 and r["rows"] <= 16 for r in updates)  # 16 / 8 = 2 a multiple
@@ -259,15 +253,26 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
     led = module.pipeline(
         **{**settings, "grpo_steps": 2}, rollout="sync", guide=True, temperature=1e-3
     )
-    out = tmp_path / "guided"
+    updates = _grpo_updates(led, model, params, 8, tmp_path / "guided")
+    assert len(updates) == 2 and all(r["guided"] == 1.0 for r in updates)
+    assert all(r["flat"] == 0.0 for r in updates)  # every group now has its winner
+
+
+def _grpo_updates(job, model, params, problems: int, out) -> list[dict]:
+    """Runs ``job``'s GRPO phase on ``problems`` training problems in batches of 4, logging
+    into ``out``; returns the logged update records."""
+    from rich.console import Console
+
+    from dew_pipe.flow import MetricsWriter, RunContext
+    from dew_pipe.flow.display import Display
+
     out.mkdir()
     with MetricsWriter(out / "metrics.jsonl") as metrics:
         context = RunContext(out, {}, metrics, Display(Console(file=io.StringIO()), live=False))
-        led.grpo(context, model, params, prompts=led.task.prompts("train", 8, seed=0).load(4))
+        prompts = job.task.prompts("train", problems, seed=0).load(4)
+        job.grpo(context, model, params, prompts=prompts)
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    updates = [r for r in logged if r.get("phase") == "grpo" and "loss" in r]
-    assert len(updates) == 2 and all(r["guided"] == 1.0 for r in updates)
-    assert all(r["flat"] == 0.0 for r in updates)  # every group now has its winner
+    return [r for r in logged if r.get("phase") == "grpo" and "loss" in r]
 
 
 def test_proximal_in_step_must_be_a_bool():

@@ -128,9 +128,9 @@ def generate(
         lanes: split the rows into this many contiguous lanes of ``ceil(B / lanes)`` rows
             (the last one padded with copies of its first row, so one compile serves them
             all; fewer lanes where the rows run out) and run the lanes' compiled calls at
-            once, each on a thread of its own. At small batches XLA's CPU
-            backend keeps a decode step on one core, so two lanes on two cores take about
-            the time of one half-size batch (``benchmarks/generate.py``). Lane ``l`` draws
+            once, each on a thread of its own. At small batches XLA's CPU backend keeps a
+            decode step on one core, so two lanes use both (1.2-1.6x on two cores at
+            batches 16-256, ``benchmarks/generate.py``). Lane ``l`` draws
             with ``fold_in(key, l)`` when ``lanes > 1``, so sampled ids depend on ``lanes``
             (greedy ones do not, up to float rounding across batch shapes); each lane stops
             when its own rows have finished.

@@ -126,12 +126,11 @@ class SampledRollout:
             LUFFY). Groups whose completions differ are left to sampling even when their
             rewards are all equal: guiding every all-wrong group of a weak policy crowds
             the sampled groups' gradient out under the norm clip (on the arithmetic task
-            one seed stalled at 40%). The reference's
-            behavior and old log-probabilities are the policy's own at the sampling
-            temperature (one scoring pass over the packed batch, under the same
-            parameters), so its importance weight is 1 and it trains as if sampled. The
-            rewards in :meth:`metrics` stay those of the sampled completions;
-            ``groups/guided`` counts the replaced groups.
+            one seed stalled at 40%). The reference's behavior and old log-probabilities
+            are the policy's own at the sampling temperature (one scoring pass over the
+            packed batch, under the same parameters), so its importance weight is 1 and
+            it trains as if sampled. The rewards in :meth:`metrics` stay those of the
+            sampled completions; ``groups/guided`` counts the replaced groups.
 
     Attributes:
         last_sessions: the ``B * G`` one-call sessions of the last call, in packing order
