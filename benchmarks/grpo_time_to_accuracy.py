@@ -269,6 +269,8 @@ def dew_worker(args: argparse.Namespace) -> dict:
         rollout="sync" if args.rollout in CURRICULUM else args.rollout,
         curriculum=args.curriculum_rest if args.rollout in CURRICULUM else 0,
         drop_zero_advantage=args.rollout == "curriculum-drop",
+        guide=False,  # the recorded runs predate the guide; the job's default turns it on
+        grpo_until=None,  # the clock decides when a run ends, not an accuracy check
     )
     args.out.mkdir(parents=True, exist_ok=True)
     context = RunContext(

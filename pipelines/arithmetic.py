@@ -61,7 +61,7 @@ import optax
 from dew_pipe import Trainer
 from dew_pipe._validate import check_float, check_int
 from dew_pipe.data import PassRateCurriculum
-from dew_pipe.flow import Cancelled, Pipeline, RunContext
+from dew_pipe.flow import Cancelled, RunContext
 from dew_pipe.inference import (
     NativeRolloutServer,
     PromptSource,
@@ -92,40 +92,42 @@ def pipeline(
     sft_steps: int = 1500,  # the most SFT updates (batches of 32 rows of 64 ids, ~170
     #   problems each); past the jump of every seed tried (see the module docstring)
     sft_learning_rate: float = 5e-3,  # peak AdamW learning rate of SFT
-    sft_until: float | None = 0.9,  # stop SFT at the first check (every `sft_check_every`
+    sft_until: float | None = 0.5,  # stop SFT at the first check (every `sft_check_every`
     #   steps) whose greedy exact match on `test_size` *training* problems reaches this
     #   share, leaving the rest to GRPO (see the module docstring); None: all `sft_steps`
     sft_check_every: int = 25,  # SFT steps between those checks
     eval_every: int = 100,  # SFT steps between held-out probes
     # --- GRPO
-    grpo_steps: int = 600,  # GRPO updates
-    prompts: int = 32,  # problems per GRPO batch
+    grpo_steps: int = 2000,  # the most GRPO updates (`grpo_until` usually stops it sooner)
+    prompts: int = 64,  # problems per GRPO batch
     groups: int = 8,  # completions sampled per problem (G); advantages compare them
-    learning_rate: float = 2e-4,  # peak AdamW learning rate of GRPO (a fresh optimizer)
-    warmup: int = 50,  # linear warm-up updates to the peak learning rate, then `schedule`
+    learning_rate: float = 1e-3,  # peak AdamW learning rate of GRPO (a fresh optimizer)
+    warmup: int = 10,  # linear warm-up updates to the peak learning rate, then `schedule`
     schedule: str = "cosine",  # "cosine": decay to a tenth of the peak at grpo_steps;
     #   "constant": stay at the peak (a run stopped by time rather than by grpo_steps)
     temperature: float = 1.0,  # sampling temperature of the rollout server and GRPO's scoring
     beta: float = 0.0,  # KL coefficient against the SFT weights (0: no reference, no KL)
     epsilon: float = 0.2,  # PPO clip range, both sides
     aggregation: str = "token-mean",  # "token-mean" or "session-mean" of the policy loss
-    rollout: str = "async",  # "async": the stages of dew_pipe.stages (a rollout server one
+    rollout: str = "sync",  # "async": the stages of dew_pipe.stages (a rollout server one
     #   batch ahead of the update); "sync": Trainer(rollout=SampledRollout), which samples
     #   each batch in one compiled call under the current weights, then updates (the
     #   settings from max_lag to join_rows below apply to "async" only)
-    problems: int | None = None,  # distinct GRPO training problems, served in turn (None:
+    problems: int | None = 64000,  # distinct GRPO training problems, served in turn (None:
     #   prompts x (grpo_steps + ahead + 2), so no problem comes twice)
-    curriculum: int = 0,  # with rollout="sync": passes over the training problems that a
-    #   problem whose last group was all right sits out (dew_pipe.data.PassRateCurriculum;
-    #   it needs problems that come again: set `problems`); 0: no curriculum
-    drop_zero_advantage: bool = False,  # with rollout="sync": run each update only on the
-    #   problems whose group's rewards differ (all-right and all-wrong groups carry no
-    #   gradient; SampledRollout(drop_zero_advantage=True)): the same update, on fewer rows
-    guide: bool = False,  # with rollout="sync": a problem whose completions all earned
-    #   the same reward trains on the task's reference answer in place of its last one
-    #   when that answer scores higher (SampledRollout(guide=task.reference): the policy
-    #   never samples an answer it gives almost no probability, so such a group alone
-    #   trains nothing)
+    curriculum: int | None = None,  # with rollout="sync": passes over the training problems
+    #   that a problem whose last group was all right sits out
+    #   (dew_pipe.data.PassRateCurriculum; it needs problems that come again: set
+    #   `problems`); 0: no curriculum; None: 1 with rollout="sync", 0 with "async"
+    drop_zero_advantage: bool | None = None,  # with rollout="sync": run each update only on
+    #   the problems whose group's rewards differ (all-right and all-wrong groups carry no
+    #   gradient; SampledRollout(drop_zero_advantage=True)): the same update, on fewer rows;
+    #   None: True with rollout="sync", False with "async"
+    guide: bool | None = None,  # with rollout="sync": a problem whose completions all
+    #   earned the same reward trains on the task's reference answer in place of its last
+    #   one when that answer scores higher (SampledRollout(guide=task.reference): the
+    #   policy never samples an answer it gives almost no probability, so such a group
+    #   alone trains nothing); None: True with rollout="sync", False with "async"
     max_lag: int = 1,  # most updates a trained completion may lag the weights it trains;
     #   at least ahead (weights are pushed after every update)
     ahead: int = 1,  # task batches rolled out beyond the one being trained
@@ -137,6 +139,9 @@ def pipeline(
     #   server (Server's join_rows); None: all `slots`, so every wave of these few-id
     #   completions ends before the next starts in one prefill (fewer compiled shapes)
     grpo_eval_every: int = 50,  # GRPO updates between held-out probes
+    grpo_until: float | None = 0.97,  # stop GRPO at the first probe (every
+    #   `grpo_eval_every` updates) whose greedy exact match on `test_size` *training*
+    #   problems reaches this share; None: all `grpo_steps`
     # --- evaluation
     test_size: int = 1000,  # held-out test problems (greedy exact match on all, every probe)
     sample_probe: int = 500,  # training problems whose temperature-`temperature` completions
@@ -149,18 +154,31 @@ def pipeline(
 
     Example:
       >>> job = pipeline(grpo_steps=10)
-      >>> job.settings.groups, job.graph.rows
-      (8, 256)
+      >>> job.settings.groups, job.graph.rows, job.settings.guide
+      (8, 512, True)
+      >>> pipeline(rollout="async").settings.guide  # the synchronous loop's options: off
+      False
       >>> pipeline(groups=1)
       Traceback (most recent call last):
       ...
       ValueError: groups is 1; expected an int >= 2
     """
     settings = types.SimpleNamespace(**locals())  # first: the parameters, written once above
+    if rollout in ROLLOUTS:  # None: each of the synchronous loop's options on with it
+        for name in ("curriculum", "drop_zero_advantage", "guide"):
+            if getattr(settings, name) is None:
+                on = rollout == "sync"
+                setattr(settings, name, int(on) if name == "curriculum" else on)
+    curriculum, drop_zero_advantage, guide = (
+        settings.curriculum,
+        settings.drop_zero_advantage,
+        settings.guide,
+    )
     check_int("sft_steps", sft_steps, minimum=2)  # the SFT warm-up needs a step after it
     check_int("sft_check_every", sft_check_every, minimum=1)
-    if sft_until is not None:
-        check_float("sft_until", sft_until, above=0.0, maximum=1.0)
+    for name in ("sft_until", "grpo_until"):
+        if getattr(settings, name) is not None:
+            check_float(name, getattr(settings, name), above=0.0, maximum=1.0)
     for name in ("eval_every", "grpo_steps", "slots", "grpo_eval_every"):
         check_int(name, getattr(settings, name), minimum=1)
     check_int("sample_probe", sample_probe, minimum=0, maximum=10**6)
@@ -223,6 +241,8 @@ class JobResult:
     Attributes:
       before: held-out greedy exact match after SFT (share of ``test_size`` problems).
       after: the same after GRPO.
+      sft_steps, grpo_updates: SFT steps and GRPO updates run (fewer than the settings'
+        when ``sft_until`` or ``grpo_until`` stopped a phase early).
       sft_s, grpo_s, wall_s: wall seconds of SFT, of GRPO and of the whole job (setup and
         evaluations included).
       cpu_s: CPU seconds of the process (user + system, all threads) over the job.
@@ -232,6 +252,8 @@ class JobResult:
 
     before: float
     after: float
+    sft_steps: int
+    grpo_updates: int
     sft_s: float
     grpo_s: float
     wall_s: float
@@ -245,7 +267,7 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class _AfterEachUpdate:
+class _BeforeEachRollout:
     """A Trainer rollout that first calls ``before(state)`` (the state after the previous
     update), then ``rollout``; ``metrics`` are the rollout's."""
 
@@ -276,6 +298,7 @@ class ArithmeticJob:
     def __init__(self, settings: types.SimpleNamespace, task: ArithmeticTask, graph: GraphSettings):
         self.settings, self.task, self.graph = settings, task, graph
         self.context: RunContext | None = None
+        self.updates = 0  # GRPO updates the last grpo() ran
         self._after_update: Callable[[int, Any], None] | None = None
 
     def __repr__(self) -> str:
@@ -313,10 +336,12 @@ class ArithmeticJob:
         context.log(step=0, phase="grpo", **probe)  # GRPO's update 0 is SFT's end
         params = self.grpo(context, model, params)
         grpo_s = time.monotonic() - grpo_start
-        after = self._probe("grpo", s.grpo_steps, model, params, sampled=True)["held_out"]
+        after = self._probe("grpo", self.updates, model, params, sampled=True)["held_out"]
         result = JobResult(
             before=before,
             after=after,
+            sft_steps=sft_done,
+            grpo_updates=self.updates,
             sft_s=round(sft_s, 1),
             grpo_s=round(grpo_s, 1),
             wall_s=round(time.monotonic() - start, 1),
@@ -329,7 +354,11 @@ class ArithmeticJob:
         (context.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot = plot_run(context.run_dir / "metrics.jsonl", context.run_dir / "progress.png")
         context.print(f"held-out exact match before GRPO: {before:.1%}")
-        context.print(f"held-out exact match after GRPO: {after:.1%}")
+        context.print(
+            f"held-out exact match after GRPO: {after:.1%} ({self.updates} updates"
+            + (f", stopped at grpo_until={s.grpo_until}" if self.updates < s.grpo_steps else "")
+            + ")"
+        )
         context.print(
             f"wall time: {result.wall_s:.0f} s (SFT {sft_s:.0f} s, GRPO {grpo_s:.0f} s; "
             f"{result.cpu_s:.0f} CPU s, load {load0:.1f} -> {result.load[1]:.1f})"
@@ -423,7 +452,8 @@ class ArithmeticJob:
             as the next update donates its buffers).
 
         Returns:
-          The trained variables (on the host).
+          The trained variables (on the host); :attr:`updates` is how many updates ran
+          (``grpo_steps``, or fewer when ``grpo_until`` stopped the phase).
 
         Raises:
           Cancelled: ``context.cancel`` was set; the server is closed and every thread
@@ -431,6 +461,7 @@ class ArithmeticJob:
         """
         s, task, graph = self.settings, self.task, self.graph
         self.context, self._after_update = context, after_update
+        self.updates = 0
         self._cancelled()
         objective = GRPOObjective(
             model,
@@ -502,9 +533,8 @@ class ArithmeticJob:
                 reward=None,  # PromptSource scores each draw as it finishes
                 trainer=trainer,
                 steps=s.grpo_steps,
-                log=lambda step, metrics, record: self._on_update(
-                    pipeline, model, step, metrics, record
-                ),
+                log=self._on_update,
+                until=lambda state: self._after(model, int(state.updates), state),
                 owns_source=True,
                 name="arithmetic-grpo",
             )
@@ -514,21 +544,31 @@ class ArithmeticJob:
             source.close()
             server.close()
 
-    def _on_update(
-        self, pipeline: Pipeline, model: Any, step: int, metrics: dict[str, float], record: Any
-    ) -> None:
-        """After each GRPO update (on the update stage's thread): log, probe, show progress."""
+    def _on_update(self, step: int, metrics: dict[str, float], record: Any) -> None:
+        """After each asynchronous GRPO update (on the update stage's thread): log, progress."""
         self.context.log(step=step + 1, phase="grpo", **update_values(metrics, record))
         self.context.progress("GRPO updates", step + 1, self.settings.grpo_steps)
-        self._after(model, step + 1, pipeline.stages["update"].state)
 
-    def _after(self, model: Any, done: int, state: Any) -> None:
-        """The held-out probe when one is due, then the caller's ``after_update``."""
+    def _after(self, model: Any, done: int, state: Any) -> bool:
+        """After update ``done``: the probes when due, then the caller's ``after_update``.
+
+        Returns:
+          Whether GRPO stops here: ``grpo_until``'s share of training problems reached.
+        """
         s = self.settings
+        self.updates = done
+        stop = False
         if done % s.grpo_eval_every == 0 and done < s.grpo_steps:
             self._probe("grpo", done, model, state.params, sampled=False)
+            if s.grpo_until is not None:
+                solved = self.task.evaluate(
+                    model, state.params, "train", s.test_size, batch=min(500, s.test_size)
+                )
+                self.context.log(step=done, phase="grpo", train_exact=round(solved, 4))
+                stop = solved >= s.grpo_until
         if self._after_update is not None:
             self._after_update(done, state)
+        return stop
 
     def _grpo_sync(self, objective: GRPOObjective, optimizer: Any, model: Any, prompts: Any) -> Any:
         """GRPO as the library's synchronous loop: ``Trainer(rollout=SampledRollout)``.
@@ -574,17 +614,14 @@ class ArithmeticJob:
             objective,
             optimizer,
             key=jax.random.key(s.seed + 1),
-            rollout=_AfterEachUpdate(hook, lambda state: self._on_sync_update(model, state)),
+            rollout=_BeforeEachRollout(hook, lambda state: self._cancelled()),
             log=log,
             progress=False,
         )
-        state = trainer.fit(prompts, steps=s.grpo_steps, log_every=1)  # from the objective's
-        #   pretrained weights, as the pipeline's update stage starts
-        self._after(model, s.grpo_steps, state)
+        state = trainer.fit(  # from the objective's pretrained weights, as the pipeline's
+            prompts,  #         update stage starts
+            steps=s.grpo_steps,
+            log_every=1,
+            until=lambda state: self._after(model, int(state.updates), state),
+        )
         return jax.device_get(state.params)
-
-    def _on_sync_update(self, model: Any, state: Any) -> None:
-        """Before each synchronous rollout: the last update's probe and hook, cancellation."""
-        self._cancelled()
-        if int(state.updates) > 0:
-            self._after(model, int(state.updates), state)

@@ -281,6 +281,7 @@ def build_graph(
     steps: int | None = None,
     state: TrainingState | Callable[[], TrainingState] | None = None,
     log: UpdateLog | None = None,
+    until: Callable[[TrainingState], bool] | None = None,
     owns_source: bool = False,
     group_ids: Iterator[int] | None = None,
     journal: Journal | None = None,
@@ -304,7 +305,7 @@ def build_graph(
         view); a trainer makes it a :class:`~dew_pipe.stages.train.Train` that runs
         ``steps`` updates from ``state`` itself, calling ``log`` after each (the pipeline
         view).
-      steps, state, log: the ``Train`` stage's, with a trainer.
+      steps, state, log, until: the ``Train`` stage's, with a trainer.
       owns_source: rollout closes ``source`` when the run ends.
       group_ids: where rollout's group ids come from (shared across runs, ids stay unique).
       journal: a :class:`~dew_pipe.stages.journal.Journal` that pack records kept
@@ -347,12 +348,17 @@ def build_graph(
     )  # fmt: skip
     shape = {"width": s.width, "support_capacity": s.support_capacity}
     update: Handoff
+    if trainer is None and until is not None:
+        raise ValueError(
+            "until is set but trainer is None: only the Train stage (a trainer's) stops "
+            "itself; the library view's caller decides when to stop"
+        )
     if trainer is None:
         update = Handoff(weights=weights, sync_every=s.sync_every, **shape)
     else:
         update = Train(
             trainer, steps=steps, weights=weights, sync_every=s.sync_every, state=state,
-            log=log, **shape,
+            log=log, until=until, **shape,
         )  # fmt: skip
     pipeline = Pipeline(name)
     for stage in (
@@ -392,6 +398,7 @@ def grpo_pipeline(
     reward_workers: int = 2,
     state: TrainingState | Callable[[], TrainingState] | None = None,
     log: UpdateLog | None = None,
+    until: Callable[[TrainingState], bool] | None = None,
     journal: Journal | None = None,
     name: str = "grpo_async",
 ) -> Pipeline:
@@ -417,6 +424,8 @@ def grpo_pipeline(
       state: the training state to start from, or a function returning it, called when
         the run starts; None: ``trainer.initial_state()``.
       log: ``log(step, metrics, record)`` after each update (``Train``'s ``UpdateLog``).
+      until: ``until(state)`` after each update and its ``log``; true ends the run there
+        (early stopping, e.g. on an accuracy probe), as reaching ``steps`` does.
       journal: the rollout journal (see :func:`build_graph`); whoever saves the update
         stage's state calls ``journal.checkpointed(int(state.step))`` after each save.
       name: the pipeline's name.
@@ -448,7 +457,7 @@ def grpo_pipeline(
     return build_graph(
         settings, tasks=tasks, source=source, weights=weights,
         scorer=rescorer(trainer.objective), reward=score, trainer=trainer, steps=steps,
-        state=state, log=log, owns_source=True, journal=journal, name=name,
+        state=state, log=log, until=until, owns_source=True, journal=journal, name=name,
     )  # fmt: skip
 
 

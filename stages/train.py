@@ -77,6 +77,8 @@ class Train(Handoff):
         starts; None: ``trainer.initial_state()``. The state is donated to the first step;
         a second run continues from the newest state.
       log: ``log(step, metrics, record)`` after each update (:data:`UpdateLog`).
+      until: ``until(state)`` after each update and its ``log``, with the new state; a
+        true result ends the stage there, as reaching ``steps`` does.
       name: the stage's name.
 
     Attributes:
@@ -107,6 +109,7 @@ class Train(Handoff):
         sync_every: int = 1,
         state: TrainingState | Callable[[], TrainingState] | None = None,
         log: UpdateLog | None = None,
+        until: Callable[[TrainingState], bool] | None = None,
         name: str = "update",
     ) -> None:
         super().__init__(
@@ -120,9 +123,11 @@ class Train(Handoff):
             raise TypeError(f"trainer={trainer!r}; expected a dew_pipe.Trainer")
         if log is not None and not callable(log):
             raise TypeError(f"log={log!r}; expected None or log(step, metrics, record)")
+        if until is not None and not callable(until):
+            raise TypeError(f"until={until!r}; expected None or until(state) -> bool")
         self.trainer = trainer
         self.steps = check_int("steps", steps, minimum=0)
-        self.log = log
+        self.log, self.until = log, until
         self._initial_state = state
         self.state: TrainingState | None = None
 
@@ -167,4 +172,6 @@ class Train(Handoff):
             ctx.heartbeat()
             if self.log is not None:
                 self.log(index, values, record)
+            if self.until is not None and self.until(state):
+                break
         self._pushes.settle()  # the last push's failure is this run's too

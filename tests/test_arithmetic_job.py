@@ -52,9 +52,9 @@ def _run(run_dir: Path, settings: dict[str, object]) -> subprocess.CompletedProc
 
 
 def _percent(text: str, label: str) -> float:
-    found = re.findall(rf"^held-out exact match {label} GRPO: (\d+\.\d)%$", text, re.M)
+    found = re.findall(rf"^held-out exact match {label} GRPO: (\d+\.\d)%( \(.*\))?$", text, re.M)
     assert found, f"no line 'held-out exact match {label} GRPO: X%' in:\n{text}"
-    return float(found[-1])
+    return float(found[-1][0])
 
 
 @pytest.fixture(scope="module")
@@ -77,20 +77,28 @@ def test_the_job_runs_sft_then_grpo_and_reports_both_accuracies(smoke):
     assert [r["step"] for r in sft if "held_out" in r] == [0, 20, 40]
     assert all("sampled_reward" in r for r in sft if "held_out" in r)
     assert any("loss" in r for r in sft)
-    # GRPO: one record per update with the batch's reward and lag, probes every 2 updates.
+    # GRPO (the default: the synchronous loop with the curriculum, the zero-advantage cut
+    # and the guide): one record per update with the batch's reward, lag 0, the rested
+    # turns, the flat and guided shares and the rows trained; probes every 2 updates, each
+    # with grpo_until's check on training problems (40 SFT steps are far from 97%).
     updates = [r for r in grpo if "loss" in r]
     assert [r["step"] for r in updates] == [1, 2, 3, 4]
-    assert all(0.0 <= r["reward"] <= 1.0 and r["lag"] in (0, 1) for r in updates)
+    assert all(0.0 <= r["reward"] <= 1.0 and r["lag"] == 0 for r in updates)
+    assert all({"rested", "flat", "guided", "rows"} <= set(r) for r in updates)
     assert [r["step"] for r in grpo if "held_out" in r] == [0, 2, 4]
-    assert any(r["kind"] == "flow" for r in records)  # the GRPO pipeline's counters
+    assert [r["step"] for r in grpo if "train_exact" in r] == [2]  # none after the last
+    assert all(r["train_exact"] < 0.97 for r in grpo if "train_exact" in r)
+    assert not any(r["kind"] == "flow" for r in records)  # no pipeline ran
     # The printed figures are the summary's, which are the first and last probes (on all
     # 100 test problems, so whole percents).
     before, after = _percent(out, "before"), _percent(out, "after")
+    assert re.search(r"^held-out exact match after GRPO: .*% \(4 updates\)$", out, re.M)
     assert before == round(100 * summary["before"], 1) and after == round(100 * summary["after"], 1)
     probes = [r["held_out"] for r in values if "held_out" in r]
     assert summary["before"] == sft[-1]["held_out"] and summary["after"] == probes[-1]
     assert round(100 * summary["before"]) == 100 * summary["before"]
     assert summary["settings"]["grpo_steps"] == 4 and summary["wall_s"] > 0
+    assert (summary["sft_steps"], summary["grpo_updates"]) == (40, 4)  # nothing stopped early
     assert re.search(r"^wall time: \d+ s \(SFT \d+ s, GRPO \d+ s", out, re.M)
     assert f"run directory: {run_dir}" in out
     assert json.loads((run_dir / "run.json").read_text())["status"] == "done"
@@ -117,6 +125,7 @@ def test_the_plot_is_a_png_of_the_expected_size(smoke):
         ("learning_rate=0", "learning_rate is 0.0; expected a finite float > 0"),
         ("sft_until=1.5", "sft_until is 1.5"),
         ("sft_check_every=0", "sft_check_every is 0"),
+        ("grpo_until=0", "grpo_until is 0.0; expected a finite float > 0"),
         ("rollout=fast", "rollout is 'fast'; expected one of ('async', 'sync')"),
     ],
 )
@@ -145,7 +154,8 @@ def test_the_synchronous_rollout_trains_and_logs_like_the_pipeline(tmp_path):
     from dew_pipe.tasks.recipe import SFTRecipe
 
     settings = {**TINY, "sample_probe": 0, "grpo_steps": 6, "grpo_eval_every": 3, "warmup": 0}
-    job = load_file(PIPELINE).pipeline(**settings, rollout="sync")
+    plain = {"curriculum": 0, "drop_zero_advantage": False, "guide": False, "problems": None}
+    job = load_file(PIPELINE).pipeline(**settings, **plain, rollout="sync")
     job.task.reward = lambda source, completion, truth, extra: float(completion[:1] in "02468")
     model = SFTRecipe().model(job.task)
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
@@ -201,14 +211,15 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
 
     module = load_file(PIPELINE)
     with pytest.raises(ValueError, match="curriculum is 2 with rollout='async'"):
-        module.pipeline(curriculum=2)
+        module.pipeline(curriculum=2, rollout="async")
     with pytest.raises(ValueError, match="curriculum"):
         module.pipeline(curriculum=-1, rollout="sync")
     with pytest.raises(ValueError, match="problems is 3; expected None or an int >= 4"):
         module.pipeline(problems=3, prompts=4)
     assert module.pipeline(problems=None).settings.problems is None
     settings = {**TINY, "sample_probe": 0, "grpo_steps": 8, "grpo_eval_every": 8, "warmup": 0}
-    job = module.pipeline(**settings, rollout="sync", curriculum=1)
+    plain = {"drop_zero_advantage": False, "guide": False}  # on by default with "sync"
+    job = module.pipeline(**settings, **plain, rollout="sync", curriculum=1)
     pool = job.task.prompts("train", 8, seed=0).arrays()  # two batches of 4 make a pass
     truths = decode_text_column(pool["ground_truth"])
     even = sum(t[:1] in "02468" for t in truths)
@@ -231,31 +242,87 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
         job.grpo(context, model, params, prompts=job.task.prompts("train", 8).load(batch=4))
     # drop_zero_advantage: the even-truth problems' groups (all 1) leave the update's rows
     with pytest.raises(ValueError, match="drop_zero_advantage is True with rollout='async'"):
-        module.pipeline(drop_zero_advantage=True)
+        module.pipeline(drop_zero_advantage=True, rollout="async")
     with pytest.raises(TypeError, match="drop_zero_advantage is 1; expected True or False"):
         module.pipeline(drop_zero_advantage=1, rollout="sync")
-    lean = module.pipeline(**settings, rollout="sync", drop_zero_advantage=True)
+    lean = module.pipeline(
+        **settings, rollout="sync", curriculum=0, drop_zero_advantage=True, guide=False
+    )
     lean.task.reward = job.task.reward
     updates = _grpo_updates(lean, model, params, 32, tmp_path / "lean")
     assert len(updates) == 8
     flat = [r["flat"] for r in updates]
     assert all(r["rows"] % 2 == 0 and r["rows"] <= 16 for r in updates)  # 16 / 8 = 2 a multiple
-    # an update's rows: one per completion of each problem that is not flat, at least 2
-    assert [r["rows"] for r in updates] == [max(2, round(4 * (1 - f)) * 4) for f in flat]
+    # an update's rows: the completions of each problem that is not flat, packed (a row
+    # holds one completion, or two short ones), at least 2; none when every group is flat
+    kept = [round(4 * (1 - f)) * 4 for f in flat]
+    assert all(r["rows"] <= max(2, k) for r, k in zip(updates, kept, strict=True))
+    assert all(r["rows"] == 2 for r, k in zip(updates, kept, strict=True) if k == 0)
     assert sum(r["rows"] for r in updates) < 8 * 16  # flat groups (even truths) left out
     # guide: the untrained model answers nothing right, and near-greedy sampling gives each
     # problem one reply G times, so every group is collapsed at 0 and trains on the task's
     # reference answer instead
     with pytest.raises(ValueError, match="guide is True with rollout='async'"):
-        module.pipeline(guide=True)
+        module.pipeline(guide=True, rollout="async")
     with pytest.raises(TypeError, match="guide is 1; expected True or False"):
         module.pipeline(guide=1, rollout="sync")
     led = module.pipeline(
-        **{**settings, "grpo_steps": 2}, rollout="sync", guide=True, temperature=1e-3
+        **{**settings, "grpo_steps": 2},
+        rollout="sync",
+        curriculum=0,
+        drop_zero_advantage=False,
+        guide=True,
+        temperature=1e-3,
+        learning_rate=2e-4,  # small enough that the second update's model still knows nothing
     )
     updates = _grpo_updates(led, model, params, 8, tmp_path / "guided")
     assert len(updates) == 2 and all(r["guided"] == 1.0 for r in updates)
     assert all(r["flat"] == 0.0 for r in updates)  # every group now has its winner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["sync", "async"])
+def test_grpo_until_stops_at_the_first_training_check_that_reaches_it(tmp_path, rollout):
+    """grpo_until=0.6 with probes every 2 updates: the training-problem checks read 0.2 and
+    then 0.7, so GRPO stops after update 4 of 8, on either rollout; the checks are logged
+    as train_exact and read the training split (the held-out probes the test split)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew_pipe.cli import load_file
+    from dew_pipe.tasks.recipe import SFTRecipe
+
+    settings = {**TINY, "sample_probe": 0, "grpo_steps": 8, "grpo_eval_every": 2}
+    job = load_file(PIPELINE).pipeline(**settings, rollout=rollout, grpo_until=0.6)
+    checks, splits = iter([0.2, 0.7]), []
+
+    def evaluate(model, params, split="test", n=None, *, batch=500):
+        splits.append((split, n))
+        return next(checks) if split == "train" else 0.1
+
+    job.task.evaluate = evaluate
+    model = SFTRecipe().model(job.task)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    seen: list[int] = []
+    out = tmp_path / rollout
+    out.mkdir()
+    from rich.console import Console
+
+    from dew_pipe.flow import MetricsWriter, RunContext
+    from dew_pipe.flow.display import Display
+
+    with MetricsWriter(out / "metrics.jsonl") as metrics:
+        context = RunContext(out, {}, metrics, Display(Console(file=io.StringIO()), live=False))
+        job.grpo(context, model, params, after_update=lambda n, state: seen.append(n))
+    assert seen == [1, 2, 3, 4] and job.updates == 4
+    assert splits == [("test", None), ("train", 100)] * 2  # the held-out probe reads all
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in logged if r.get("phase") == "grpo"]
+    assert [r["step"] for r in grpo if "loss" in r] == [1, 2, 3, 4]
+    assert [(r["step"], r["train_exact"]) for r in grpo if "train_exact" in r] == [
+        (2, 0.2),
+        (4, 0.7),
+    ]
 
 
 def _grpo_updates(job, model, params, problems: int, out) -> list[dict]:
@@ -298,15 +365,15 @@ def test_cancelling_inside_grpo_closes_the_server_and_joins_every_thread(tmp_pat
     from dew_pipe.flow.display import Display
 
     settings = {**TINY, "sft_steps": 20, "eval_every": 100, "grpo_steps": 50, "sample_probe": 0}
-    job = load_file(PIPELINE).pipeline(**settings)
+    job = load_file(PIPELINE).pipeline(**settings, rollout="async")
     cancel = threading.Event()
     console = Console(file=io.StringIO())
     before = set(threading.enumerate())
     updates: list[int] = []
     on_update = job._on_update
 
-    def stop_after_two(pipeline, model, step, metrics, record):
-        on_update(pipeline, model, step, metrics, record)
+    def stop_after_two(step, metrics, record):
+        on_update(step, metrics, record)
         updates.append(step)
         if step == 1:
             cancel.set()  # what Ctrl-C does in dew-pipe run

@@ -22,7 +22,7 @@ from dew_pipe.stages import (
     grpo_pipeline,
     publish,
 )
-from dew_pipe.stages.graph import task_batch
+from dew_pipe.stages.graph import GraphSettings, build_graph, task_batch
 from dew_pipe.stages.handoff import Pushes
 from dew_pipe.stages.messages import (
     SESSION_ROWS,
@@ -397,6 +397,34 @@ def test_grpo_pipeline_trains_from_the_state_it_was_given_through_the_one_builde
     first = trainer.batches[0]  # rescored under the given state's scale 2: -0.2 per id
     mask = first["response_mask"] == 1
     np.testing.assert_allclose(first["old_log_probs"][mask], -0.2 * first["input_ids"][mask])
+
+
+def test_until_ends_the_update_stage_and_the_run_after_the_update_it_accepts():
+    weights = FakeWeights()
+    trainer = _CountingTrainer(FakeObjective(W))
+    logged, seen = [], []
+
+    def until(state):  # after update 2's log, with its state: the run ends there
+        seen.append((state.updates, len(logged)))
+        return state.updates == 2
+
+    p = grpo_pipeline(
+        tasks=TaskBatches(task_data(64, 2)), source=FakeSource(weights), weights=weights,
+        trainer=trainer, score=None, width=W, rows=4, groups=2, steps=10,
+        state=FakeState(0, {"scale": 1.0}), until=until,
+        log=lambda step, metrics, record: logged.append(step),
+    )  # fmt: skip
+    p.run(timeout=30)
+    assert seen == [(1, 1), (2, 2)] and logged == [0, 1]
+    assert p.stages["update"].state.updates == 2 and len(trainer.batches) == 2
+    assert weights.pushes == [1]  # the stopped run pushes nothing after its last update
+    with pytest.raises(TypeError, match=r"until=3; expected None or until\(state\) -> bool"):
+        Train(trainer, steps=3, width=W, until=3)
+    with pytest.raises(ValueError, match="until is set but trainer is None"):
+        build_graph(
+            GraphSettings(width=W, rows=4, groups=2), tasks=TaskBatches(task_data(8, 2)),
+            source=FakeSource(weights), weights=weights, scorer=None, until=until,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,32 @@ def test_fit_continuing_its_own_state_resumes_the_data_without_replaying_it():
     assert_trees_equal(host(resumed.params), host(direct.params))
 
 
+def test_until_stops_after_the_step_it_accepts_logs_saves_and_a_later_fit_continues(tmp_path):
+    made: list[int] = []
+    rows = len(next(iter(BATCHES[0].values())))
+    data = Dataset(train=lambda partition: _CountedBatches(made), batch=rows)
+    direct = Trainer(MaskedRegression(), optax.adam(1e-2), key=KEY).fit(data, steps=9)
+    records, seen = [], []
+
+    def until(state):  # the state after each step; the step's record is not written yet
+        seen.append((int(state.step), len(records)))
+        return int(state.step) == 4
+
+    def trainer(run_dir=None):
+        return Trainer(
+            MaskedRegression(), optax.adam(1e-2), key=KEY, run_dir=run_dir, log=records.append
+        )
+
+    state = trainer(tmp_path).fit(data, steps=9, log_every=3, until=until)
+    assert int(state.step) == 4 and seen == [(1, 0), (2, 0), (3, 0), (4, 1)]
+    assert [r["step"] for r in records] == [3, 4]  # the stopping step is logged, off cadence
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]  # and saved, as at `steps`
+    resumed = trainer(tmp_path).fit(data, steps=9)  # a new Trainer restores step 4
+    assert_trees_equal(host(resumed.params), host(direct.params))
+    with pytest.raises(TypeError, match="until is 3; expected None or a function of the state"):
+        trainer().fit(data, steps=1, until=3)
+
+
 # ------------------------------------------------------------------------- EMA
 
 

@@ -110,7 +110,14 @@ class FitLoop:
         self._position = position
         self._partition = partition
 
-    def loop(self, steps: int, log_every: int, eval_every: int | None, eval_batches: int | None):
+    def loop(
+        self,
+        steps: int,
+        log_every: int,
+        eval_every: int | None,
+        eval_batches: int | None,
+        until: Callable[[Any], bool] | None = None,
+    ):
         trainer = self.trainer
         if self.step >= steps:
             return self.state
@@ -143,9 +150,13 @@ class FitLoop:
                 self.pending = {**self.pending, **reported}
             self.step += 1
             self.log.add(self.pending)
-            due_log = self.step % log_every == 0 or self.step == steps
+            stop = False
+            if until is not None:
+                self.resolve()  # the NaN guard first: until sees an applied update
+                stop = bool(until(self.state))
+            due_log = self.step % log_every == 0 or self.step == steps or stop
             due_eval = eval_every is not None and self.step % eval_every == 0
-            due_save = self._save_due(steps)
+            due_save = self._save_due(steps) or (stop and self.checkpoints is not None)
             if due_log or due_eval or due_save:
                 self.resolve()
             if due_log:
@@ -154,6 +165,8 @@ class FitLoop:
                 self._eval(eval_batches)
             if due_save:
                 self._save()
+            if stop:
+                break
         self.resolve()
         return self.state
 

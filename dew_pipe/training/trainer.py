@@ -329,8 +329,9 @@ class Trainer:
         eval_every: int | None = None,
         eval_batches: int | None = None,
         state: TrainState | None = None,
+        until: Callable[[TrainState], bool] | None = None,
     ) -> TrainState:
-        """Train until ``state.step == steps`` and return the final state.
+        """Train until ``state.step == steps`` (or ``until`` says so) and return the final state.
 
         The run starts from ``state`` when given (its buffers are donated: do not
         read it afterwards), else from the newest checkpoint in ``run_dir``, else from
@@ -344,6 +345,10 @@ class Trainer:
             eval_every: evaluate every this many steps; needs ``data.val``.
             eval_batches: validation batches per evaluation; ``None`` reads all.
             state: a state to continue from.
+            until: ``until(state)`` after every step, with the state that step left (its
+                NaN guard already applied); a true result ends the fit there, with the
+                step's record logged and, with a ``run_dir``, a checkpoint saved, as at
+                ``steps``. A later ``fit`` of the same data continues from that batch.
 
         Returns:
             The final :class:`TrainState`.
@@ -360,6 +365,8 @@ class Trainer:
         log_every = check_int("log_every", log_every, minimum=1)
         eval_every = check_int("eval_every", eval_every, minimum=1, allow_none=True)
         eval_batches = check_int("eval_batches", eval_batches, minimum=1, allow_none=True)
+        if until is not None and not callable(until):
+            raise TypeError(f"until is {until!r}; expected None or a function of the state")
         if eval_every is not None and data.val is None:
             raise ValueError(f"eval_every={eval_every} but Dataset.val is None; expected val data")
         partition = Partition(jax.process_index(), jax.process_count())
@@ -374,7 +381,7 @@ class Trainer:
                 state = self.initial_state()
             position = meta.get("data") or self._resume_position(data, int(state.step))
             run = FitLoop(self, data, partition, rows, state, position, meta, checkpoints)
-            state = run.loop(steps, log_every, eval_every, eval_batches)
+            state = run.loop(steps, log_every, eval_every, eval_batches, until)
             self._remember_position(data, run)
             return state
         finally:
