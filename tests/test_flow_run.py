@@ -446,11 +446,15 @@ def test_a_freeze_of_the_process_own_is_kept():
     gc.freeze()
     try:
         count = gc.get_freeze_count()
+        fresh = [[i] for i in range(5000)]  # tracked, alive, not frozen: a second freeze
+        #   would add them all. Frozen objects that die leave the count, so it may only fall.
         gate, seen = threading.Event(), []
         gate.set()
         _gated("gc-frozen", gate, seen).run(timeout=10)
-        assert seen[0][1] == count and seen[0][0][0] >= 20_000  # tuned, not frozen again
-        assert gc.get_freeze_count() == count  # neither frozen again nor unfrozen
+        assert seen[0][0][0] >= 20_000  # tuned
+        assert count - 1000 < seen[0][1] <= count  # not frozen again (nor unfrozen: 0)
+        assert count - 1000 < gc.get_freeze_count() <= count  # nor unfrozen after
+        assert len(fresh) == 5000
     finally:
         gc.unfreeze()
 

@@ -224,9 +224,13 @@ class Run:
         except KeyboardInterrupt:
             self.cancel("interrupted")
             self._done.wait()
+            self._supervisor.join()
             raise
         if not finished:
             raise TimeoutError(f"pipeline {self.pipeline.name!r} still running after {timeout} s")
+        # The supervisor sets _done as its last act; joining it means that, once wait
+        # returns, no thread of the run is left (a caller counting threads saw it linger).
+        self._supervisor.join()
         if self._error is not None:
             raise self._error
         assert self._final is not None
