@@ -265,7 +265,7 @@ class JobResult:
 
 
 def _until(share: float | None, most: int, unit: str) -> str:
-    """'until 50% of training problems are right (at most 1500 steps)', or '1500 steps'."""
+    """'until 50% of training problems are right (at most 1500 steps)', or 'for 1500 steps'."""
     if share is None:
         return f"for {most} {unit}"
     return f"until {share:.0%} of training problems are right (at most {most} {unit})"
@@ -570,13 +570,14 @@ class ArithmeticJob:
         self.updates = done
         stop = False
         if done % s.grpo_eval_every == 0 and done < s.grpo_steps:
-            self._probe("grpo", done, model, state.params, sampled=False)
             if s.grpo_until is not None:
                 solved = self.task.evaluate(
                     model, state.params, "train", s.test_size, batch=min(500, s.test_size)
                 )
                 self.context.log(step=done, phase="grpo", train_exact=round(solved, 4))
                 stop = solved >= s.grpo_until
+            if not stop:  # the last update's held-out probe is the caller's (run's final)
+                self._probe("grpo", done, model, state.params, sampled=False)
         if self._after_update is not None:
             self._after_update(done, state)
         return stop

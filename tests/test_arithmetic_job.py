@@ -288,8 +288,11 @@ def test_grpo_until_stops_at_the_first_training_check_that_reaches_it(tmp_path, 
     as train_exact and read the training split (the held-out probes the test split)."""
     import jax
     import jax.numpy as jnp
+    from rich.console import Console
 
     from dew_pipe.cli import load_file
+    from dew_pipe.flow import MetricsWriter, RunContext
+    from dew_pipe.flow.display import Display
     from dew_pipe.tasks.recipe import SFTRecipe
 
     settings = {**TINY, "sample_probe": 0, "grpo_steps": 8, "grpo_eval_every": 2}
@@ -306,19 +309,16 @@ def test_grpo_until_stops_at_the_first_training_check_that_reaches_it(tmp_path, 
     seen: list[int] = []
     out = tmp_path / rollout
     out.mkdir()
-    from rich.console import Console
-
-    from dew_pipe.flow import MetricsWriter, RunContext
-    from dew_pipe.flow.display import Display
-
     with MetricsWriter(out / "metrics.jsonl") as metrics:
         context = RunContext(out, {}, metrics, Display(Console(file=io.StringIO()), live=False))
         job.grpo(context, model, params, after_update=lambda n, state: seen.append(n))
     assert seen == [1, 2, 3, 4] and job.updates == 4
-    assert splits == [("test", None), ("train", 100)] * 2  # the held-out probe reads all
+    # the held-out probe reads the whole test split; at the stop it is left to the caller
+    assert splits == [("train", 100), ("test", None), ("train", 100)]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in logged if r.get("phase") == "grpo"]
     assert [r["step"] for r in grpo if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in grpo if "held_out" in r] == [2]
     assert [(r["step"], r["train_exact"]) for r in grpo if "train_exact" in r] == [
         (2, 0.2),
         (4, 0.7),
