@@ -285,7 +285,8 @@ def test_the_curriculum_rests_solved_problems_in_the_synchronous_loop(tmp_path):
 def test_grpo_until_stops_at_the_first_training_check_that_reaches_it(tmp_path, rollout):
     """grpo_until=0.6 with probes every 2 updates: the training-problem checks read 0.2 and
     then 0.7, so GRPO stops after update 4 of 8, on either rollout; the checks are logged
-    as train_exact and read the training split (the held-out probes the test split)."""
+    as train_exact and read the training problems right after the 40 GRPO trains on (the
+    held-out probes the test split)."""
     import jax
     import jax.numpy as jnp
     from rich.console import Console
@@ -296,11 +297,11 @@ def test_grpo_until_stops_at_the_first_training_check_that_reaches_it(tmp_path, 
     from dew_pipe.tasks.recipe import SFTRecipe
 
     settings = {**TINY, "sample_probe": 0, "grpo_steps": 8, "grpo_eval_every": 2}
-    job = load_file(PIPELINE).pipeline(**settings, rollout=rollout, grpo_until=0.6)
+    job = load_file(PIPELINE).pipeline(**settings, rollout=rollout, grpo_until=0.6, problems=40)
     checks, splits = iter([0.2, 0.7]), []
 
-    def evaluate(model, params, split="test", n=None, *, batch=500):
-        splits.append((split, n))
+    def evaluate(model, params, split="test", n=None, *, batch=500, start=0):
+        splits.append((split, n, start))
         return next(checks) if split == "train" else 0.1
 
     job.task.evaluate = evaluate
@@ -314,7 +315,7 @@ def test_grpo_until_stops_at_the_first_training_check_that_reaches_it(tmp_path, 
         job.grpo(context, model, params, after_update=lambda n, state: seen.append(n))
     assert seen == [1, 2, 3, 4] and job.updates == 4
     # the held-out probe reads the whole test split; at the stop it is left to the caller
-    assert splits == [("train", 100), ("test", None), ("train", 100)]
+    assert splits == [("train", 100, 40), ("test", None, 0), ("train", 100, 40)]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in logged if r.get("phase") == "grpo"]
     assert [r["step"] for r in grpo if "loss" in r] == [1, 2, 3, 4]

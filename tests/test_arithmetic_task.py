@@ -64,6 +64,29 @@ def test_a_shorter_draw_is_a_prefix_of_a_longer_one(task):
     assert task.records("test", 10) == task.records("test")[:10]
 
 
+def test_start_reads_the_same_sequence_further_on(task):
+    """start=k gives problems k.. of the split's one sequence: after a pool of the first k,
+    draws the pool did not make (what the embedded job's early stop reads); a problem
+    recurs there only as in any sample of the distribution."""
+    longer = task.problems("train", 1300)
+    later = task.problems("train", 300, start=1000)
+    assert later.prompts() == longer.prompts()[1000:]
+    assert later.ground_truths() == longer.ground_truths()[1000:]
+    pool = {_key(p) for p in longer.prompts()[:1000]}
+    repeats = sum(_key(p) in pool for p in later.prompts())
+    assert 0 < repeats < 30  # 12 of 300 here: small problems that any sample repeats
+    assert task.problems("test", 5, start=295).prompts() == task.problems("test").prompts()[295:]
+    prompts, lengths = task.prompt_arrays("train", 3, start=1000)
+    whole, whole_lengths = task.prompt_arrays("train", 1003)
+    np.testing.assert_array_equal(prompts, whole[1000:])
+    np.testing.assert_array_equal(lengths, whole_lengths[1000:])
+    # score() compares with the answers of the same range
+    truths = later.ground_truths()[:2]
+    right = [format_answer(int(t), "reversed") + "</s>" for t in truths]
+    np.testing.assert_array_equal(task.score(right, "train", start=1000), [1.0, 1.0])
+    assert task.score(right, "train", start=1002).tolist() != [1.0, 1.0]
+
+
 def test_ground_truths_are_the_exact_answers(task):
     for record in task.records("test") + task.records("train", 300):
         assert record["ground_truth"] == str(_exact(record["prompt"]))
@@ -240,6 +263,12 @@ def test_task_calls_are_checked(task):
         task.records("val")
     with pytest.raises(ValueError, match="n is 301"):
         task.problems("test", 301)
+    with pytest.raises(ValueError, match="start is 296; expected an int >= 0 and <= 295"):
+        task.problems("test", 5, start=296)  # past the 300 test problems
+    with pytest.raises(ValueError, match="start is -1"):
+        task.problems("train", 5, start=-1)
+    with pytest.raises(TypeError, match="start"):
+        task.problems("train", 5, start=1.5)
     with pytest.raises(ValueError, match="seq_len is 9; expected at least 14"):
         task.sft_dataset(batch=4, seq_len=9)
     with pytest.raises(ValueError, match="rows is 0"):
@@ -404,6 +433,20 @@ def test_completions_match_a_plain_greedy_loop(task, tiny_model):
     for text, row, length in zip(texts, prompts, lengths, strict=True):
         ids = _plain_greedy(forward, stops, row[len(row) - length :].tolist(), task.max_new_tokens)
         assert text == task.decode(ids)
+
+
+def test_completions_and_evaluate_read_the_range_from_start(task, tiny_model):
+    model, variables = tiny_model
+    texts = task.completions(model, variables, "train", 3, start=1000, batch=3)
+    prompts, lengths = task.prompt_arrays("train", 3, start=1000)
+    forward = jax.jit(model.apply)
+    for text, row, length in zip(texts, prompts, lengths, strict=True):
+        ids = _plain_greedy(
+            forward, variables, row[len(row) - length :].tolist(), task.max_new_tokens
+        )
+        assert text == task.decode(ids)
+    scored = task.score(texts, "train", start=1000).mean()
+    assert task.evaluate(model, variables, "train", 3, batch=3, start=1000) == scored
 
 
 def _task_ids(text: str) -> np.ndarray:

@@ -278,25 +278,34 @@ class ArithmeticTask:
             "with room for both splits (raise digits or change holdout)"
         )
 
-    def problems(self, split: str, n: int | None = None) -> Problems:
+    def problems(self, split: str, n: int | None = None, *, start: int = 0) -> Problems:
         """Problems of a split.
 
         Args:
-            split: ``"test"`` (held out; the first ``n`` of the ``test_size`` test problems)
-                or ``"train"`` (``n`` draws from the training problems, the same ones each
-                call; SFT batches draw their own).
+            split: ``"test"`` (held out; the ``test_size`` test problems) or ``"train"``
+                (the training problems, one fixed sequence per seed; SFT batches draw their
+                own).
             n: how many; default ``test_size``.
+            start: where in the split's sequence they begin: problems ``start`` to
+                ``start + n - 1``. A job that trains on the first ``k`` training problems
+                can check itself on the ``n`` from ``start=k``, draws it never trained on,
+                without touching the test split. (The training sequence is independent
+                draws, so a problem there comes again as often as in any fresh sample:
+                mostly those with one- and two-digit operands, of which there are few.)
 
         Raises:
-            ValueError: an unknown split, or ``n`` out of range.
+            ValueError: an unknown split, or ``n`` or ``start`` out of range (past the
+                ``test_size`` test problems, for the test split).
         """
         if split not in _SPLITS:
             raise ValueError(f"split is {split!r}; expected one of {_SPLITS}")
         limit = self.test_size if split == "test" else 10**7
         n = self.test_size if n is None else check_int("n", n, minimum=1, maximum=limit)
+        check_int("start", start, minimum=0, maximum=limit - n)
         if split == "test":
-            return self._test_problems().take(np.arange(n))
-        return self._draw(np.random.default_rng([self.seed, _PROMPT_STREAM]), n, test=False)
+            return self._test_problems().take(np.arange(start, start + n))
+        rng = np.random.default_rng([self.seed, _PROMPT_STREAM])
+        return self._draw(rng, start + n, test=False).take(np.arange(start, start + n))
 
     @functools.cache  # noqa: B019 - the test split is fixed per task
     def _test_problems(self) -> Problems:
@@ -441,9 +450,12 @@ class ArithmeticTask:
 
     # --- evaluation ------------------------------------------------------------------------
 
-    def prompt_arrays(self, split: str, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Left-padded prompt ids ``[n, max_prompt_len]`` (int32) and their lengths ``[n]``."""
-        ids = _encode(self.problems(split, n).prompts())
+    def prompt_arrays(
+        self, split: str, n: int | None = None, *, start: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt ids ``[n, max_prompt_len]`` (int32) and their lengths ``[n]``
+        (``split``, ``n``, ``start``: as :meth:`problems`)."""
+        ids = _encode(self.problems(split, n, start=start).prompts())
         prompts = np.full((len(ids), self.max_prompt_len), PAD_ID, np.int32)
         lengths = np.array([len(x) for x in ids], np.int32)
         for row, values in enumerate(ids):
@@ -460,6 +472,7 @@ class ArithmeticTask:
         batch: int = 500,
         sampling: Any = None,
         key: Any = None,
+        start: int = 0,
     ) -> list[str]:
         """The model's completions of a split's prompts, decoded with ``</s>`` kept.
 
@@ -470,7 +483,7 @@ class ArithmeticTask:
             model: a ``causal_transformer`` with ``vocab_size`` >= 18 and ``max_seq_len`` >=
                 ``max_prompt_len + max_new_tokens - 1``.
             variables: its ``{"params": ...}``.
-            split, n: as :meth:`problems`.
+            split, n, start: as :meth:`problems`.
             batch: prompts per compiled call (the last call is padded to it, so one compile
                 serves every call).
             sampling: a :class:`~dew_pipe.sampling.Sampling`; default greedy (temperature 0).
@@ -494,16 +507,17 @@ class ArithmeticTask:
         sampling = dataclasses.replace(sampling, eos_id=EOS_ID)
         key = jax.random.key(0) if key is None else key
         batch = check_int("batch", batch, minimum=1, maximum=2**20)
-        prompts, lengths = self.prompt_arrays(split, n)
+        prompts, lengths = self.prompt_arrays(split, n, start=start)
         rows = generate_in_chunks(
             model, variables, prompts, lengths, self.max_new_tokens, key, sampling,
             batch=batch, pad_id=PAD_ID,
         )  # fmt: skip
         return [self.decode(row) for row in rows]
 
-    def score(self, completions: list[str], split: str = "test") -> np.ndarray:
-        """float ``[n]``: the reward of each completion against the split's first n answers."""
-        truths = self.problems(split, len(completions)).ground_truths()
+    def score(self, completions: list[str], split: str = "test", *, start: int = 0) -> np.ndarray:
+        """float ``[n]``: the reward of each completion against the answers of the split's n
+        problems from ``start`` (as :meth:`problems`)."""
+        truths = self.problems(split, len(completions), start=start).ground_truths()
         return np.array(
             [
                 reward(self.data_source, c, t, json.dumps({"split": split}))
@@ -519,8 +533,10 @@ class ArithmeticTask:
         n: int | None = None,
         *,
         batch: int = 500,
+        start: int = 0,
     ) -> float:
-        """Exact-match share of greedy completions on a split (the held-out test by default).
+        """Exact-match share of greedy completions on a split (the held-out test by default):
+        the ``n`` problems from ``start`` (as :meth:`problems`).
 
         A completion counts when, under the rule of :mod:`dew_pipe.tasks.problems`, it states
         the true answer; the decoded text includes ``</s>`` only when the model produced it
@@ -533,8 +549,8 @@ class ArithmeticTask:
             >>> task.evaluate(model, state.params, "test", n=500)  # doctest: +SKIP
             0.962
         """
-        texts = self.completions(model, variables, split, n, batch=batch)
-        return float(self.score(texts, split).mean())
+        texts = self.completions(model, variables, split, n, batch=batch, start=start)
+        return float(self.score(texts, split, start=start).mean())
 
     def sampled_reward(
         self,
