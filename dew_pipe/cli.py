@@ -6,7 +6,8 @@ its settings (keyword parameters; ``--set`` overrides them, converted by annotat
 runs the result: a ``Pipeline`` with per-stage and per-queue progress, or any object with a
 ``run(context)`` method, which gets a ``RunContext``. It writes the run directory:
 ``config.json`` (the resolved settings), ``metrics.jsonl`` and ``run.json`` (file, outcome,
-seconds).
+seconds). XLA's compiled programs are kept between runs (:mod:`dew_pipe.compile_cache`;
+``--compile-cache DIR`` or ``off``).
 
 Exit status: 0 done, 1 the run failed, 2 nothing to run (bad file, setting or wiring),
 130 cancelled by Ctrl-C (a second Ctrl-C exits at once). Errors are one line on stderr;
@@ -40,7 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dew_pipe import cli_tools
+from dew_pipe import cli_tools, compile_cache
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -100,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dry-run", action="store_true", help="print the settings and the graph, run nothing"
     )
+    run.add_argument(
+        "--compile-cache", metavar="DIR",
+        help="keep XLA's compiled programs under DIR (a subdirectory per machine kind) so "
+        "later runs skip those compiles; 'off' for none (default: $DEW_PIPE_COMPILE_CACHE, "
+        "else ~/.cache/dew_pipe/xla; a JAX_COMPILATION_CACHE_DIR of your own wins)",
+    )  # fmt: skip
     run.add_argument("--debug", action="store_true", help="show tracebacks")
     _pack_parser(sub)
     cli_tools.add_parsers(sub)
@@ -391,6 +398,11 @@ def _run(args: argparse.Namespace) -> int:
     from dew_pipe.flow.config import to_json
 
     path: Path = args.file
+    if not args.dry_run:  # before the file's code, which may compile as it builds
+        try:
+            compile_cache.enable(args.compile_cache)
+        except ValueError as e:
+            raise _Exit(str(e), EXIT_USAGE, e) from e
     module = load_file(path)
     kind, entry = find_entry(module, path)
     target, config = _build(entry, args.overrides, path)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# `dew-pipe run` keeps compiled programs in ~/.cache by default; the suite's runs (in this
+# process and the ones it starts) leave no files there. tests/test_compile_cache.py turns
+# the cache on where it tests it.
+os.environ["DEW_PIPE_COMPILE_CACHE"] = "off"
 
 # Files that share the session's vLLM engine (the `vllm_engine` fixture below) run on one
 # pytest-xdist worker, so the suite starts one engine, not one per worker.

@@ -55,6 +55,7 @@ FLOORS: dict[str, int] = {
     "pipelines": 4,
     "dew_pipe.cli": 5,
     "dew_pipe.cli_tools": 5,  # the plot and audit sub-commands of dew-pipe
+    "dew_pipe.compile_cache": 5,  # dew-pipe run's disk cache of compiled programs
 }
 
 
