@@ -121,3 +121,34 @@ def test_an_owned_directory_stays_while_the_launcher_lives(tmp_path):
         assert _ask(w, {"n": 2})["twice"] == 4
     assert w.wait()["stopped"] is True
     assert (work / "worker.py").is_file()
+
+
+def test_the_supervisor_tells_a_dying_launcher_by_its_closed_status_pipe():
+    """_exec._launcher_gone: a launcher that is still the parent but whose status pipe has no
+    reader left is gone (a SIGKILLed launcher closes its files before it is reaped); one
+    whose reader is open is not, after the grace; another parent is gone at once."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "_exec_under_test",
+        Path(__file__).resolve().parents[1] / "dew_pipe" / "sandbox" / "_exec.py",
+    )
+    exec_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exec_module)
+    gone = exec_module._launcher_gone
+    reader, writer = os.pipe()
+    try:
+        start = time.monotonic()
+        assert not gone(os.getppid(), writer, 200)  # the reader is open: the launcher lives
+        assert time.monotonic() - start >= 0.15  # it waited its grace for the pipe to close
+        assert gone(os.getppid() + 1, writer, 0)  # not the parent any more
+        os.close(reader)
+        reader = None
+        start = time.monotonic()
+        assert gone(os.getppid(), writer, 5000)  # no reader left: gone, without the wait
+        assert time.monotonic() - start < 1.0
+    finally:
+        os.close(writer)
+        if reader is not None:
+            os.close(reader)

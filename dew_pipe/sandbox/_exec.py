@@ -198,6 +198,24 @@ def _sweep(uid, group):
             os.sched_yield()
 
 
+def _launcher_gone(parent, status_fd, grace_ms):
+    """Whether the launcher died (or is dying), so the working directory is ours to remove.
+
+    Reparenting is the last step of a process's exit. A launcher killed with SIGKILL closes
+    its files first, one by one, so the program can see end-of-file on its stdin and exit
+    while the launcher is still this process's parent and may still hold the status pipe's
+    reading end. Once that end is closed too, poll reports POLLERR on the writing end; this
+    waits up to ``grace_ms`` for it (0 when the launcher asked for the stop itself).
+    """
+    if os.getppid() != parent:
+        return True
+    import select  # only here: every program's start would pay for the import
+
+    poller = select.poll()
+    poller.register(status_fd, 0)  # POLLERR, no reader left, is reported whatever the mask
+    return bool(poller.poll(grace_ms)) or os.getppid() != parent
+
+
 def main(argv):
     config = marshal.loads(bytes.fromhex(argv[1]))
     status_fd = config["status_fd"]
@@ -261,7 +279,7 @@ def main(argv):
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGHUP])
         _sweep(config["uid"], child)
-    if config["owns_cwd"] and os.getppid() != parent:  # the launcher is gone
+    if config["owns_cwd"] and _launcher_gone(parent, status_fd, 0 if report["stopped"] else 500):
         import shutil  # only now: every program's start would pay for the import
 
         shutil.rmtree(config["cwd"], ignore_errors=True)
