@@ -235,8 +235,10 @@ def test_split_step_equals_the_cached_model_step_and_resets_rows(setup):
         out[split] = jax.device_get(run(step, model.init_cache(3, 6)))
     np.testing.assert_allclose(out[True][0], out[False][0], atol=1e-5)
     np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
+    # Entries reach about 4: the split step's joined q/k/v matmul sums in its own order,
+    # which moves a float32 result by a few ulps of that scale (1e-6), not of each entry.
     for name in ("key", "value"):
-        np.testing.assert_allclose(out[True][2][name], out[False][2][name], atol=1e-6)
+        np.testing.assert_allclose(out[True][2][name], out[False][2][name], atol=4e-6)
     for split in (True, False):
         positions = out[split][2]["positions"]
         np.testing.assert_array_equal(positions[:, :3], [[0, -1, -1], [0, 1, -1], [0, -1, -1]])

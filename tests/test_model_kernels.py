@@ -17,7 +17,7 @@ from dew_pipe import LMObjective, models
 from dew_pipe.models import attention
 from dew_pipe.models.cross_entropy import head_cross_entropy
 from dew_pipe.models.self_attention import self_attend
-from dew_pipe.models.transformer import _swiglu
+from dew_pipe.models.transformer import swiglu
 
 # ---------------------------------------------------------------- attention
 
@@ -209,7 +209,7 @@ def test_head_cross_entropy_rejects_mismatched_shapes():
 def test_swiglu_backward_matches_autodiff():
     rng = np.random.default_rng(6)
     gate, up, d_out = (jnp.asarray(rng.normal(size=(5, 7)) * 3, jnp.float32) for _ in range(3))
-    got = jax.vjp(_swiglu, gate, up)[1](d_out)
+    got = jax.vjp(swiglu, gate, up)[1](d_out)
     want = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)[1](d_out)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

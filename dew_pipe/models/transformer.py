@@ -55,7 +55,7 @@ def matmul_dtype(x: Any, kernel: Any) -> Any:
     return kernel if kernel.itemsize < x.itemsize else x
 
 
-def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """``x [..., in] @ kernel [in, out]`` as one 2-D matmul, the result in ``x``'s dtype.
 
     Both inputs are read in `matmul_dtype` and the product accumulates in float32: XLA's
@@ -71,7 +71,7 @@ def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """``silu(gate) * up``, keeping only its two inputs for the backward pass.
 
     Autodiff of the same expression keeps the sigmoid, the silu and partial products alive
@@ -96,7 +96,7 @@ def _swiglu_bwd(residuals: tuple[jax.Array, jax.Array], d_out: jax.Array):
     return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class RMSNorm(nn.Module):
@@ -110,9 +110,14 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (self.features,), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(self.dtype) * scale.astype(self.dtype)
+        return rms_norm(x, scale, self.eps, self.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """`RMSNorm`'s arithmetic on a given ``scale``: normalized in float32, scaled in ``dtype``."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(dtype) * scale.astype(dtype)
 
 
 class Attention(nn.Module):
@@ -125,16 +130,16 @@ class Attention(nn.Module):
         self, x: jax.Array, context: dict[str, jax.Array], layer_cache: Any
     ) -> tuple[jax.Array, Any]:
         cfg = self.config
-        dense = nn.initializers.normal(cfg.init_std)
+        init = nn.initializers.normal(cfg.init_std)
         D, H, K, d = cfg.emb_features, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_w = self.param("q", dense, (D, H * d), cfg.param_dtype)
-        k_w = self.param("k", dense, (D, K * d), cfg.param_dtype)
-        v_w = self.param("v", dense, (D, K * d), cfg.param_dtype)
-        o_w = self.param("o", dense, (H * d, D), cfg.param_dtype)
+        q_w = self.param("q", init, (D, H * d), cfg.param_dtype)
+        k_w = self.param("k", init, (D, K * d), cfg.param_dtype)
+        v_w = self.param("v", init, (D, K * d), cfg.param_dtype)
+        o_w = self.param("o", init, (H * d, D), cfg.param_dtype)
         batch, length = x.shape[:2]
-        q = _dense(x, q_w).reshape(batch, length, H, d)
-        k = _dense(x, k_w).reshape(batch, length, K, d)
-        v = _dense(x, v_w).reshape(batch, length, K, d)
+        q = dense(x, q_w).reshape(batch, length, H, d)
+        k = dense(x, k_w).reshape(batch, length, K, d)
+        v = dense(x, v_w).reshape(batch, length, K, d)
         if cfg.qk_norm:
             norm = dict(features=d, eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
             q = RMSNorm(**norm, name="q_norm")(q)
@@ -146,12 +151,12 @@ class Attention(nn.Module):
             # The mask comes from causal_segment_mask: causal, so key blocks can be skipped.
             out = self_attend(q, k, v, context["mask"], causal=True)
             out = out.reshape(batch, length, H * d)
-            return _dense(out, o_w), None
+            return dense(out, o_w), None
         # A cache may be kept in another dtype than the compute.
         cached_k, cached_v = (c.astype(q.dtype) for c in layer_cache)
         parts = [(cached_k, cached_v, context["cache_mask"]), (k, v, context["mask"])]
         out = attention.attend(q, parts).reshape(batch, length, H * d)
-        return _dense(out, o_w), (k, v)
+        return dense(out, o_w), (k, v)
 
 
 class MLP(nn.Module):
@@ -162,12 +167,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        dense = nn.initializers.normal(cfg.init_std)
+        init = nn.initializers.normal(cfg.init_std)
         D, F = cfg.emb_features, cfg.mlp_features
-        gate = self.param("gate", dense, (D, F), cfg.param_dtype)
-        up = self.param("up", dense, (D, F), cfg.param_dtype)
-        down = self.param("down", dense, (F, D), cfg.param_dtype)
-        return _dense(_swiglu(_dense(x, gate), _dense(x, up)), down)
+        gate = self.param("gate", init, (D, F), cfg.param_dtype)
+        up = self.param("up", init, (D, F), cfg.param_dtype)
+        down = self.param("down", init, (F, D), cfg.param_dtype)
+        return dense(swiglu(dense(x, gate), dense(x, up)), down)
 
 
 class Block(nn.Module):
