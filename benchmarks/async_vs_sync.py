@@ -374,6 +374,9 @@ def serving(args: argparse.Namespace, mode: str, model, variables, sampling):
         steps_per_call=args.steps_per_call,
         buckets=(args.prompt_len,),  # one prefill width: prompts are left padded to P
         gather_s=0.25,  # a batch's B * G submissions start in one prefill (they fill the rows)
+        # Every prefill shape compiles before the timed steps: which join sizes a run meets
+        # depends on timing, and each new one stalled the server 1-2 s mid-run.
+        warm_up=True,
         dtype=args.served_dtype,
     )
     if mode == "async-inprocess":
@@ -422,9 +425,15 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
         warm = [r.metrics["reward/mean"] for r in records]
         del records[:]
         probe = Probe(child)
+        before = server.counters()
         state = trainer.fit(stream, steps=args.warmup + args.steps, state=state, log_every=1000)
         jax.block_until_ready(state)
         out.update(probe.stop())
+        after = server.counters()
+        out["server"] = {
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("steps", "calls", "prefills", "joined", "joined_mid_flight", "reloads")
+        }
         snapshot = scheduler.snapshot()  # the timed fit's pipeline (a new stream, new counters)
     finally:
         scheduler.close()

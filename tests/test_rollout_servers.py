@@ -174,6 +174,46 @@ def test_host_inputs_reuse_each_compiled_step(server):
     assert {leaf.devices().pop() for leaf in leaves} == {server.device}
 
 
+def test_warm_up_compiles_every_shape_before_serving_and_changes_no_draw(tiny):
+    """A warmed-up server compiles each prefill shape (joining-row bucket x prompt width)
+    and the decode call once, in its constructor; joins of any size then compile nothing,
+    and the draws are those of a server that compiles as it goes."""
+    from dew_pipe.inference.servers import engine_steps
+
+    model, variables, _, _ = tiny
+    options = dict(OPTIONS, capacity=20, buckets=(8, 20))  # shapes no other test compiles
+    task = ServeTask(model, variables, SAMPLING)
+    before = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
+    warm = Server.from_task(task, warm_up=True, **options)
+    try:
+        after = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
+        # joining-row buckets 1, 2, 4 at widths 8 and 20; one decode call
+        assert (after[0] - before[0], after[1] - before[1]) == (6, 1)
+        assert warm.counters().prefills == warm.counters().steps == 0
+        long = [3, *range(1, 12)]  # 12 ids: the width-20 bucket
+        requests = [(P1, 31), (long, 32), (P2, 33), (P3, 34), (long[:9], 35), (P1, 36)]
+
+        def serve(server):
+            draws = [server.submit(P2, 4, seed=30).result(timeout=120)]  # one row alone
+            futures = [server.submit(p, 4, seed=s) for p, s in requests]  # joins of 1-4
+            return draws + [f.result(timeout=120) for f in futures]
+
+        warm_draws = serve(warm)
+        grown = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
+        assert grown == after
+        assert warm.counters().prefills >= 2
+    finally:
+        warm.close()
+    cold = Server.from_task(task, **options)
+    try:
+        cold_draws = serve(cold)
+    finally:
+        cold.close()
+    for a, b in zip(warm_draws, cold_draws, strict=True):
+        np.testing.assert_array_equal(a.sampled_ids, b.sampled_ids)
+        np.testing.assert_array_equal(a.log_probs, b.log_probs)
+
+
 # ------------------------------------------------------------------ joins and reloads
 
 
@@ -664,6 +704,7 @@ def test_bad_requests_fail_their_future_or_raise(server):
         (dict(join_rows=0), ValueError, "join_rows is 0"),
         (dict(join_rows=3), ValueError, "join_rows is 3; expected at most slots=2"),
         (dict(join_rows=True), TypeError, "join_rows is True"),
+        (dict(warm_up="yes"), TypeError, "warm_up is 'yes'; expected a bool"),
     ],
 )
 def test_bad_options_are_refused_before_any_thread_starts(tiny, options, error, match):

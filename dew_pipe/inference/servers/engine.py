@@ -122,6 +122,14 @@ class Server:
             when a wave fits in one, at the cost of rows idling while the longest of
             their wave finishes. A busy server holds waiting requests back until that
             many rows are free; an idle one starts them at once (see ``gather_s``).
+        warm_up: compile every shape the server may call before the constructor returns:
+            the decode call, and a prefill per bucket of joining rows (powers of two up
+            to ``slots``) and prompt width (``buckets``). Without it each shape compiles
+            the first time a join needs it, and every row waits meanwhile (1-2 s per
+            prefill shape for a small decoder on 2 CPU cores); which shapes a run needs
+            depends on when requests arrive, so those stalls land at unpredictable
+            times. The warm-up runs each prefill once on padding entries only, which
+            write nothing.
 
     Raises:
         TypeError / ValueError: a bad option, named with what was expected.
@@ -152,6 +160,7 @@ class Server:
         device: jax.Device | None = None,
         gather_s: float = 0.0,
         join_rows: int = 1,
+        warm_up: bool = False,
     ) -> None:
         sampling = Sampling() if sampling is None else sampling
         if (
@@ -160,6 +169,8 @@ class Server:
             or not 0 <= gather_s < float("inf")
         ):
             raise ValueError(f"gather_s is {gather_s!r}; expected seconds >= 0")
+        if not isinstance(warm_up, bool):
+            raise TypeError(f"warm_up is {warm_up!r}; expected a bool")
         options = check_options(
             model,
             sampling,
@@ -207,6 +218,8 @@ class Server:
         self._error: BaseException | None = None
         self._counts = collections.Counter()
         self._histogram: collections.Counter[int] = collections.Counter()
+        if warm_up:
+            self._warm_up()
         self._thread = threading.Thread(target=self._loop, name="dew-rollout-server", daemon=True)
         self._thread.start()
 
@@ -598,6 +611,39 @@ class Server:
             self._counts["reloads"] += len(requests)
         for request in requests:
             resolve(request.future, request.version)
+
+    def _warm_up(self) -> None:
+        """Compiles the decode call and every prefill shape on inputs that change nothing:
+        prefill entries all aimed at an out-of-range row, a decode call with no busy row."""
+        sizes = sorted({bucket(n, self.slots) for n in range(1, self.slots + 1)})
+        for width in self.buckets:
+            for size in sizes:
+                ones = np.ones(size, np.int32)
+                self._cache, self._state, _ = engine_steps.prefill(
+                    self.model,
+                    self._variables,
+                    self._cache,
+                    self._state,
+                    np.full(size, self.slots, np.int32),
+                    np.full((size, width), self.pad_id, np.int32),
+                    ones,
+                    ones,
+                    np.zeros(size, np.uint32),
+                    sampling=self.sampling,
+                    support=self.record_support,
+                )
+        self._cache, self._state, _ = engine_steps.advance(
+            self.model,
+            self._variables,
+            self._cache,
+            self._state,
+            np.zeros(self.slots, bool),
+            np.int32(0),
+            steps=self.steps_per_call,
+            sampling=self.sampling,
+            support=self.record_support,
+        )
+        jax.block_until_ready((self._cache, self._state))
 
     def _start(self, joining: list[int], mid_flight: bool) -> None:
         """Prefills the requests just placed in rows ``joining`` (one compiled call)."""

@@ -106,7 +106,9 @@ class ProcessRolloutServer:
         python: the interpreter to run the child with (default ``sys.executable``).
         **options: the other keyword arguments of `Server` (``dtype``, ``queue``,
             ``steps_per_call``, ``record_support``, ``buckets``, ``version``, ``seed``,
-            ``pad_id``); ``device`` is refused (choose the child's devices with ``env``).
+            ``pad_id``, ``gather_s``, ``join_rows``, ``warm_up``: a warmed-up child
+            compiles before its start is reported, so ``start_timeout`` must cover
+            that); ``device`` is refused (choose the child's devices with ``env``).
 
     Attributes:
         pid: the child's process id.
