@@ -3,6 +3,7 @@
 A small job spends much of its time compiling: the embedded arithmetic job's seeds 0-4 ran
 in 92-181 s cold and in 62-150 s with their programs found in this cache, with the same
 results (``benchmarks/RESULTS.md``).
+
 JAX has the cache (``jax_compilation_cache_dir``); this module picks where it lives and
 turns it on. ``dew-pipe run`` calls :func:`enable` before it loads the pipeline file.
 

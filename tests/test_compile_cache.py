@@ -85,7 +85,7 @@ def test_the_default_root_the_variable_off_and_a_users_own_jax_cache(tmp_path):
     assert not home.exists()  # off writes nothing
     mine = _run(tmp_path, env={**env, "DEW_PIPE_COMPILE_CACHE": str(tmp_path / "mine")})
     assert mine["dir"] == str(tmp_path / "mine" / key) and not home.exists()
-    default = _run(tmp_path, env={k: v for k, v in env.items()})
+    default = _run(tmp_path, env=env)
     assert default["dir"] == str(home / "dew_pipe" / "xla" / key)
     assert _files(home / "dew_pipe" / "xla" / key)
     own = _run(tmp_path, "--compile-cache", str(tmp_path / "ignored"),
