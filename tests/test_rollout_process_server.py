@@ -43,8 +43,13 @@ def tiny():
 def child(tiny):
     model, variables, _, _ = tiny
     server = ProcessRolloutServer(
-        ServeTask(model, variables, SAMPLING), cpus={0}, env={"DEW_PIPE_MARK": "child"}, **OPTIONS
+        ServeTask(model, variables, SAMPLING),
+        cpus={0},
+        env={"DEW_PIPE_MARK": "child"},
+        warm_up=True,  # compiled before the start is reported: no stall in any test below
+        **OPTIONS,
     )
+    assert server.counters().prefills == 0  # the warm-up's padding prefills count nothing
     yield server
     server.close()
 
@@ -165,6 +170,8 @@ def test_options_the_child_server_refuses_raise_its_error_here(tiny):
     model, variables, _, _ = tiny
     with pytest.raises(ValueError, match="max_seq_len=32"):  # checked by Server, in the child
         ProcessRolloutServer(ServeTask(model, variables, SAMPLING), slots=2, capacity=33)
+    with pytest.raises(TypeError, match="warm_up is 1; expected a bool"):
+        ProcessRolloutServer(ServeTask(model, variables, SAMPLING), slots=2, capacity=8, warm_up=1)
 
 
 def test_a_dead_child_fails_every_waiting_caller_and_later_requests(tiny):
