@@ -14,6 +14,14 @@ model returns (after any softcap it applies) by ``T``; where the batch carries
 the ids the sampler kept for it, the sampled id always included (slime's top-p replay).
 The entropy metric reads the temperature-scaled logits without that restriction.
 
+With ``response_columns=K`` the loss runs the output head and the log-softmax on ``K``
+columns per row, the row's sampled ids gathered to the front, instead of on all ``W - 1``:
+in RL batches most columns are prompt ids whose log-probabilities the loss never reads, and
+the head (``[tokens, D] x [D, V]``, forward and backward) is among the step's largest
+matmuls. A step whose batch has a row with more than ``K`` sampled ids runs the whole-row
+head instead (both are compiled; ``lax.cond`` picks one per step), and its metric
+``response_columns_overflow`` is 1. Either way the loss is the same, up to float rounding.
+
 Validation (``evaluate``) scores prompt perplexity: the mean negative log-likelihood of
 the raw model over real next-token transitions that the sampler did not draw, in packed
 batches (prompts and observations) and in prompt batches (``prompt``/``prompt_length``,
@@ -124,6 +132,40 @@ def _support_log_probs(
     return target_logit - lse, present[:count].reshape(rows, steps)
 
 
+def _sampled_head(
+    head: Any,
+    hidden: jax.Array,
+    targets: jax.Array,
+    sampled: jax.Array,
+    columns: int,
+    temperature: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """`token_log_probs` of the sampled targets only, the head run on ``columns`` per row.
+
+    ``hidden [N, S, D]`` predicts ``targets [N, S]``; ``sampled [N, S]`` marks the ones
+    wanted, at most ``columns`` per row. Each row's marked positions are gathered to the
+    front (a stable sort keeps their order), the head and log-softmax run on ``[N, columns]``
+    and the results go back to their columns, 0 in the others. Returns ``[N, S]`` twice.
+    """
+    order = jnp.argsort(~sampled, axis=1, stable=True)[:, :columns]  # marked columns first
+    kept = jnp.take_along_axis(sampled, order, axis=1)
+    picked = jnp.take_along_axis(hidden, order[..., None], axis=1)
+    log_probs, entropy = token_log_probs(
+        head(picked), jnp.take_along_axis(targets, order, axis=1), temperature=temperature
+    )
+    rows = jnp.arange(targets.shape[0])[:, None]
+
+    def scatter(values: jax.Array) -> jax.Array:
+        # order holds distinct columns per row, so each lands once
+        return (
+            jnp.zeros(targets.shape, values.dtype)
+            .at[rows, order]
+            .set(jnp.where(kept, values, 0.0), unique_indices=True)
+        )
+
+    return scatter(log_probs), scatter(entropy)
+
+
 def prompt_rows(prompt: jax.Array, prompt_length: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Segment ids and positions of left-padded prompts ``[B, P]``.
 
@@ -168,9 +210,16 @@ class GRPOObjective:
             microbatches share the weights); a batch rescored once and trained for several
             updates needs the rescored column. Any ``old_log_probs`` in the batch is
             ignored.
+        response_columns: the most sampled ids (``response_mask``) one packed row holds;
+            the loss then scores only those columns of each row (see the module
+            docstring). ``SampledRollout`` rows hold one chain each unless short chains
+            share a row, so its ``max_new_tokens`` is the usual value. None (the default)
+            scores every column. Needs a model with ``features`` and ``logits`` call forms
+            (`CausalTransformer`); batches with ``support_ids`` are scored whole.
 
     Raises:
-        TypeError: a model without ``init``/``apply``, or a ``pretrained`` that is not a mapping.
+        TypeError: a model without ``init``/``apply``, or a ``pretrained`` that is not a
+            mapping; ``response_columns`` for a model without ``features``/``logits``.
         ValueError: an option out of range, naming it; ``seq_len`` beyond the model's
             ``max_seq_len``; ``pretrained`` whose leaves do not match the model.
 
@@ -208,11 +257,27 @@ class GRPOObjective:
         *,
         kl_estimator: str = "k3",
         proximal_in_step: bool = False,
+        response_columns: int | None = None,
     ) -> None:
         if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
             raise TypeError(f"model is a {type(model).__name__}; expected a Flax linen Module")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r}; expected an int >= 1")
+        if response_columns is not None:
+            if (
+                isinstance(response_columns, bool)
+                or not isinstance(response_columns, int | np.integer)
+                or not 1 <= response_columns <= seq_len
+            ):
+                raise ValueError(
+                    f"response_columns={response_columns!r}; expected None or an int from 1 "
+                    f"to seq_len={seq_len}"
+                )
+            if not all(callable(getattr(model, m, None)) for m in ("features", "logits")):
+                raise TypeError(
+                    f"response_columns={response_columns} needs a model with 'features' and "
+                    f"'logits' call forms (a CausalTransformer); {type(model).__name__} has not"
+                )
         config = getattr(model, "config", None)
         max_len = getattr(config, "max_seq_len", None)
         if max_len is not None and seq_len > max_len:
@@ -243,6 +308,7 @@ class GRPOObjective:
         self.seq_len = int(seq_len)
         self.beta = float(beta)
         self.proximal_in_step = proximal_in_step
+        self.response_columns = None if response_columns is None else int(response_columns)
         self.sampling_temperature = (
             None if sampling_temperature is None else float(sampling_temperature)
         )
@@ -276,25 +342,67 @@ class GRPOObjective:
     # ------------------------------------------------------------------ scoring
 
     def _score(
-        self, variables: Variables, batch: Mapping[str, jax.Array], temperature: float | None
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Per-id log-probabilities, entropies and scorable mask, all ``[N, W]``."""
+        self,
+        variables: Variables,
+        batch: Mapping[str, jax.Array],
+        temperature: float | None,
+        *,
+        columns: int | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Per-id log-probabilities, entropies and scorable mask, all ``[N, W]``, and a
+        float32 flag: 1 when ``columns`` was asked for but a row held more sampled ids.
+
+        With ``columns`` the log-probabilities and entropies are those of the sampled ids
+        (``response_mask``) only, 0 elsewhere; without, of every scorable id.
+        """
         ids, segments = batch["input_ids"], batch["text_segment_ids"]
         positions = batch["text_positions"]
-        logits = self.model.apply(variables, ids[:, :-1], segments[:, :-1], positions[:, :-1])
         support = None
         if temperature is not None and "support_ids" in batch:
             # The logits predicting column c sit at c - 1; padding (-1) falls outside.
             support = (batch["support_ids"], batch["support_columns"] - 1)
-        log_probs, entropy = token_log_probs(
-            logits, ids[:, 1:], temperature=temperature, support=support
-        )
+        targets = ids[:, 1:]
+        overflow = jnp.float32(0.0)
+        if columns is None or support is not None or columns >= targets.shape[1]:
+            logits = self.model.apply(variables, ids[:, :-1], segments[:, :-1], positions[:, :-1])
+            log_probs, entropy = token_log_probs(
+                logits, targets, temperature=temperature, support=support
+            )
+        else:
+            hidden = self.model.apply(
+                variables, ids[:, :-1], segments[:, :-1], positions[:, :-1], method="features"
+            )
+            sampled = batch["response_mask"][:, 1:] > 0
+            fits = jnp.max(jnp.sum(sampled, axis=1)) <= columns
+            overflow = 1.0 - fits.astype(jnp.float32)
+
+            def whole(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+                logits = self.model.apply(variables, hidden, method="logits")
+                return token_log_probs(logits, targets, temperature=temperature)
+
+            def gathered(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+                return _sampled_head(
+                    lambda h: self.model.apply(variables, h, method="logits"),
+                    hidden,
+                    targets,
+                    sampled,
+                    columns,
+                    temperature,
+                )
+
+            log_probs, entropy = jax.lax.cond(fits, gathered, whole, hidden)
         scorable = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
         pad = jnp.zeros((ids.shape[0], 1), bool)
         scorable = jnp.concatenate([pad, scorable], axis=1)
         log_probs = jnp.concatenate([pad.astype(log_probs.dtype), log_probs], axis=1)
         entropy = jnp.concatenate([pad.astype(entropy.dtype), entropy], axis=1)
-        return jnp.where(scorable, log_probs, 0.0), jnp.where(scorable, entropy, 0.0), scorable
+        scored = scorable if columns is None else scorable & (batch["response_mask"] > 0)
+        return (
+            jnp.where(scored, log_probs, 0.0),
+            jnp.where(scored, entropy, 0.0),
+            scorable,
+            overflow,
+        )
 
     def packed_log_probs(self, params: Variables, batch: Mapping[str, jax.Array]) -> jax.Array:
         """Log-probability of every id given its own chain's prefix, ``[N, W]`` float32.
@@ -338,13 +446,18 @@ class GRPOObjective:
                 f"ema: GRPOObjective(beta={self.beta}) needs the frozen reference in the EMA "
                 "slot; the trainer passes it when ema_decay is 1.0"
             )
-        log_prob, entropy, _ = self._score(params, batch, self.sampling_temperature)
+        columns = self.response_columns
+        log_prob, entropy, _, overflow = self._score(
+            params, batch, self.sampling_temperature, columns=columns
+        )
         old = batch.get("old_log_probs")
         if self.proximal_in_step:
             old = jax.lax.stop_gradient(log_prob)
         ref = None
         if self.beta > 0:
-            ref, _, _ = self._score(jax.lax.stop_gradient(ema), batch, self.sampling_temperature)
+            ref = self._score(
+                jax.lax.stop_gradient(ema), batch, self.sampling_temperature, columns=columns
+            )[0]
         chains = L.chain_ids(batch["text_segment_ids"])
         value, metrics = policy_loss(
             self.options,
@@ -359,6 +472,8 @@ class GRPOObjective:
         )
         metrics["loss"] = jax.lax.stop_gradient(value)
         metrics["entropy"] = L.masked_mean(entropy, batch["response_mask"].astype(jnp.float32))
+        if columns is not None:
+            metrics["response_columns_overflow"] = overflow
         return value, metrics
 
     def evaluate(self, params: Variables, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -370,7 +485,7 @@ class GRPOObjective:
         """
         if "input_ids" in batch:
             check_packed_layout(batch, self.seq_len, self.options, require_policy=False)
-            log_probs, _, counted = self._score(params, batch, None)
+            log_probs, _, counted, _ = self._score(params, batch, None)
             if "response_mask" in batch:
                 counted = counted & (batch["response_mask"] == 0)
         else:
@@ -378,7 +493,7 @@ class GRPOObjective:
             prompt = batch["prompt"]
             segments, positions = prompt_rows(prompt, batch["prompt_length"])
             rows = {"input_ids": prompt, "text_segment_ids": segments, "text_positions": positions}
-            log_probs, _, counted = self._score(params, rows, None)
+            log_probs, _, counted, _ = self._score(params, rows, None)
         return {
             "nll": -jnp.sum(jnp.where(counted, log_probs, 0.0)),
             "tokens": jnp.sum(counted, dtype=jnp.float32),

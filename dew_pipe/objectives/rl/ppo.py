@@ -124,6 +124,7 @@ class PPOObjective:
         kl_estimator: the reference KL estimator (as in GRPO).
         aggregation, sequence_mask, geometric_mask: accepted only at their defaults
             ("token-mean", None, None): both losses must reduce over the same action ids.
+        response_columns: score only each row's sampled ids in the policy loss (as in GRPO).
 
     Raises:
         TypeError: a model or critic without ``init``/``apply``.
@@ -150,6 +151,7 @@ class PPOObjective:
         aggregation: str = "token-mean",
         sequence_mask: tuple[float, float] | None = None,
         geometric_mask: tuple[float, float] | None = None,
+        response_columns: int | None = None,
     ) -> None:
         if not (
             callable(getattr(critic, "init", None)) and callable(getattr(critic, "apply", None))
@@ -186,6 +188,7 @@ class PPOObjective:
             behavior_importance=behavior_importance,
             sampling_temperature=sampling_temperature,
             kl_estimator=kl_estimator,
+            response_columns=response_columns,
         )
         self.model, self.critic = model, critic
         self.seq_len = self.actor.seq_len
