@@ -1,14 +1,17 @@
 """Asynchronous GRPO through RolloutScheduler against a synchronous loop, same work.
 
 Workload (the same in every mode): the story decoder of ``tests/story_prelude.py`` (2
-layers, width 128, vocabulary 1024; trained here on story openings, with room for ``P + R``
-positions), GRPO on story prefixes of 24 to ``P`` ids (left padded to ``P``), ``G``
-completions of ``R`` new ids per prompt at temperature 1 with top-k 40, the spec's "dog"
-reward on the decoded text, ``B`` prompts per step,
-``GRPOObjective(behavior_importance=2.0, proximal_in_step=True)`` and AdamW. With
-``proximal_in_step`` the loss takes the proximal likelihoods from its own forward pass, so
-the pipeline has no separate rescoring pass (``--rescore`` puts it back, for the record). No EOS is drawn, so every completion uses its whole budget and every step does
-the same work; truncated completions train on their reward (``truncation="score"``).
+layers, width 128, a BPE vocabulary of 852 ids (1024 asked for); trained here on story
+openings, with room for ``P + R`` positions), GRPO on story prefixes of 24 to ``P`` ids
+(left padded to ``P``), ``G`` completions of ``R`` new ids per prompt at temperature 1 with
+top-k 40, the spec's "dog" reward on the decoded text, ``B`` prompts per step,
+``GRPOObjective(behavior_importance=2.0, proximal_in_step=True, response_columns=R)`` and
+AdamW. With ``proximal_in_step`` the loss takes the proximal likelihoods from its own forward
+pass, so the pipeline has no separate rescoring pass (``--rescore`` puts it back, for the
+record); with ``response_columns`` the output head runs on each row's ``R`` sampled ids
+only (``--response-columns 0`` scores whole rows). No EOS is drawn, so every completion uses
+its whole budget and every step does the same work; truncated completions train on their
+reward (``truncation="score"``).
 
 Modes, each a fresh worker process (XLA sizes its thread pool to the cores a process may
 use when JAX starts, so each mode gets the pool it is meant to have):
@@ -79,6 +82,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64, help="P, prompt width")
     parser.add_argument("--new-tokens", type=int, default=24, help="R, ids per completion")
     parser.add_argument("--steps-per-call", type=int, default=8, help="server decode steps")
+    parser.add_argument(
+        "--response-columns",
+        type=int,
+        default=None,
+        help="GRPOObjective(response_columns=...): the head runs on this many columns per "
+        "row (default R, the completion budget, as one chain fills a row); 0 scores whole rows",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
         "--served-dtype",
@@ -114,6 +124,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    if args.response_columns is None:
+        args.response_columns = args.new_tokens
     unknown = sorted(set(args.modes) - set(MODES + EXTRA))
     if unknown:
         parser.error(f"--modes has {unknown}; expected names among {list(MODES + EXTRA)}")
@@ -304,6 +316,7 @@ def worker(args: argparse.Namespace) -> dict:
         pretrained=variables,
         behavior_importance=2.0,
         proximal_in_step=not args.rescore,
+        response_columns=args.response_columns or None,
     )
     sampling = Sampling(temperature=1.0, top_k=40)
     trainer_of = lambda rollout: Trainer(  # noqa: E731
@@ -477,6 +490,7 @@ def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
         "--prompts", str(args.prompts), "--groups", str(args.groups),
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--steps-per-call", str(args.steps_per_call), *(["--rescore"] if args.rescore else []),
+        "--response-columns", str(args.response_columns),
         "--served-dtype", args.served_dtype, "--eval-prompts", str(args.eval_prompts),
         "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
     ]  # fmt: skip
