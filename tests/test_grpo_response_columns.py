@@ -26,6 +26,14 @@ OPTIONS = dict(
     sampling_temperature=0.8,
     proximal_in_step=True,
 )
+# options that pool over a chain read the per-token log-probabilities through the masks
+CHAIN = dict(
+    policy_loss="gspo",
+    dual_clip=None,
+    aggregation="session-mean",
+    sequence_mask=(0.3, 3.0),
+    geometric_mask=(0.7, 1.4),
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +74,14 @@ def test_gathered_head_equals_whole_rows(setup, spare):
     assert_same(ours, whole)
     assert ours[1]["response_columns_overflow"] == 0.0
     assert 0 < ours[1]["mask/band"] < 1  # the band engages, so the ratios are compared too
+
+
+def test_chain_pooled_options_agree(setup):
+    model, _, policy, packed, most = setup
+    whole = run(GRPOObjective(model, SEQ, **CHAIN), policy, packed, None)
+    ours = run(GRPOObjective(model, SEQ, response_columns=most, **CHAIN), policy, packed, None)
+    assert_same(ours, whole)
+    assert 0 < ours[1]["mask/sequence"] < 1 or 0 < ours[1]["mask/geometric"] < 1
 
 
 def test_rows_over_the_columns_take_the_whole_head(setup):
