@@ -1,7 +1,7 @@
 """Small decoders, sessions and NumPy references for the GRPO objective tests.
 
-Imported by tests/test_grpo_objective.py and tests/test_packed_grpo.py; it must not
-import pytest. Everything here is deterministic from a NumPy seed.
+Imported by tests/test_grpo_objective.py, tests/test_packed_grpo.py and
+tests/test_grpo_response_columns.py; it must not import pytest. Everything here is deterministic from a NumPy seed.
 """
 
 from __future__ import annotations
@@ -183,3 +183,27 @@ def chain_log_probs(model, variables, batch: dict, temperature: float = 1.0) -> 
                 full[r, columns[k]] = logits[j, k - 1]
             j += 1
     return out, full
+
+
+def loss_and_grads(objective, params, batch: dict, ema) -> tuple[float, dict, object]:
+    """One jitted value-and-grad of ``objective.loss``: the loss, the metrics as floats and
+    the gradients."""
+    fn = jax.jit(jax.value_and_grad(objective.loss, has_aux=True))
+    (loss, metrics), grad = fn(params, batch, jax.random.key(0), ema)
+    return float(loss), {k: float(v) for k, v in metrics.items()}, grad
+
+
+def assert_same(ours: tuple, theirs: tuple, *, extra: tuple[str, ...] = ()) -> None:
+    """Two `loss_and_grads` results agree: the loss (1e-6), every metric of ``theirs``
+    (1e-5; ``ours`` has the names in ``extra`` besides) and the gradients (1e-6 absolute,
+    1e-5 relative); and the gradient is not all zero, so the comparison means something."""
+    (loss_a, metrics_a, grad_a), (loss_b, metrics_b, grad_b) = ours, theirs
+    np.testing.assert_allclose(loss_a, loss_b, atol=1e-6, rtol=1e-6)
+    assert set(metrics_a) == set(metrics_b) | set(extra), (sorted(metrics_a), sorted(metrics_b))
+    for name in metrics_b:
+        np.testing.assert_allclose(
+            metrics_a[name], metrics_b[name], atol=1e-5, rtol=1e-6, err_msg=name
+        )
+    for x, y in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(grad_a)) > 1e-3

@@ -8,11 +8,13 @@ that runs when the rows fit.
 
 from __future__ import annotations
 
+import grpo_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from grpo_helpers import VOCAB, WIDTH, multi_call_sessions, perturbed, single_call_sessions
+from grpo_helpers import loss_and_grads as run
 from grpo_helpers import tiny_decoder as decoder
 
 from dew_pipe.objectives.rl import GRPOObjective, PPOObjective, ValueHead
@@ -48,21 +50,8 @@ def setup():
     return model, variables, policy, packed, most
 
 
-def run(objective, params, batch, ema):
-    fn = jax.jit(jax.value_and_grad(objective.loss, has_aux=True))
-    (loss, metrics), grad = fn(params, batch, jax.random.key(0), ema)
-    return float(loss), {k: float(v) for k, v in metrics.items()}, grad
-
-
 def assert_same(ours, whole):
-    (loss_a, metrics_a, grad_a), (loss_b, metrics_b, grad_b) = ours, whole
-    assert loss_a == pytest.approx(loss_b, abs=1e-6)
-    assert set(metrics_a) - set(metrics_b) == {"response_columns_overflow"}
-    for name in metrics_b:
-        assert metrics_a[name] == pytest.approx(metrics_b[name], abs=1e-5), name
-    for x, y in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
-    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(grad_a)) > 1e-3
+    grpo_helpers.assert_same(ours, whole, extra=("response_columns_overflow",))
 
 
 @pytest.mark.parametrize("spare", [0, 3])

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from grpo_helpers import (
     WIDTH,
+    assert_same,
     multi_call_sessions,
     one_call_per_row,
     one_chain_per_row,
     perturbed,
     tiny_decoder,
 )
+from grpo_helpers import loss_and_grads as grads
 
 from dew_pipe.objectives.rl import GRPOObjective
 from dew_pipe.objectives.rl.packing import pack, session_chains
@@ -48,23 +49,6 @@ def setup():
     calls = one_call_per_row(sessions, advantage, WIDTH)
     chains = one_chain_per_row(packed)
     return model, variables, policy, packed, calls, chains
-
-
-def grads(objective, params, batch, ema):
-    fn = jax.jit(jax.value_and_grad(objective.loss, has_aux=True))
-    (loss, metrics), grad = fn(params, batch, jax.random.key(0), ema)
-    return float(loss), {k: float(v) for k, v in metrics.items()}, grad
-
-
-def assert_same(a, b):
-    (loss_a, metrics_a, grad_a), (loss_b, metrics_b, grad_b) = a, b
-    assert loss_a == pytest.approx(loss_b, abs=1e-6)
-    assert metrics_a.keys() == metrics_b.keys()
-    for name in metrics_a:
-        assert metrics_a[name] == pytest.approx(metrics_b[name], abs=1e-5), name
-    for x, y in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
-    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(grad_a)) > 1e-3
 
 
 TOKEN_LEVEL = {
