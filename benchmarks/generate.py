@@ -25,6 +25,12 @@ step can be is those bytes over the read bandwidth. The figure is that time over
 measured decode time (the whole call minus a prefill-only call, ``max_new_tokens=1``).
 Weights that fit in the CPU's caches can beat it (above 100%).
 
+The matmul floor: the same run also times a decode step's matmuls alone (each layer's
+joined q/k/v, o, joined gate/up and down, then the head, as the served decode step holds
+them), back to back in one compiled loop at the batch's rows, without attention, norms or
+sampling. Where the CPU multiplies slower than it reads (16 flops per bfloat16 weight byte at
+batch 16), that floor lies above the bandwidth one, and it is the nearer bound.
+
 The torch side runs in the reference environment (dew_pipe never imports torch): the
 Python found from ``--reference-python``, else ``$DEW_PIPE_REFERENCE_PYTHON``, else
 ``.reference-venv/bin/python`` (``benchmarks/reference_env.sh`` builds it). The sides
@@ -153,6 +159,41 @@ def bandwidth(megabytes: int) -> dict:
     return {"read": x.nbytes / best["read"] / 1e9, "copy": 2 * x.nbytes / best["copy"] / 1e9}
 
 
+def matmul_floor(model, variables, batch: int, steps: int = 64) -> dict:
+    """Seconds per decode step of the step's matmuls alone (best of 5 loops of ``steps``),
+    and their rate in GFLOP/s: every 2-D weight of the served decode step plus the head,
+    each fed ``[batch, in]`` float32 rows read in the weight's dtype, summing in float32."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew_pipe.inference.decoding import decode_step
+
+    layers = getattr(decode_step(model, variables), "layers", None) or []
+    params = variables["params"]
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    weights = [w for layer in layers for w in jax.tree.leaves(layer) if w.ndim == 2] + [head]
+    inputs = [jnp.ones((batch, w.shape[0]), jnp.float32) for w in weights]
+
+    @jax.jit
+    def loop(weights, inputs):
+        def body(i, carry):
+            for w, x in zip(weights, inputs, strict=True):
+                y = jnp.dot((x * carry).astype(w.dtype), w, preferred_element_type=jnp.float32)
+                carry = carry + 1e-12 * y[0, 0]  # each product waits for the one before
+            return carry
+
+        return jax.lax.fori_loop(0, steps, body, jnp.float32(1.0))
+
+    jax.block_until_ready(loop(weights, inputs))
+    best = 1e9
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(weights, inputs))
+        best = min(best, time.perf_counter() - start)
+    flops = sum(2 * batch * w.shape[0] * w.shape[1] for w in weights)
+    return {"seconds": best / steps, "gflops": flops * steps / best / 1e9}
+
+
 def step_bytes(variables, config: dict, batch: int, prompt: int, new: int, cache_bytes: int):
     """Bytes a decode step must read, averaged over the steps: every matmul weight as
     stored (the embedding only for the fed rows) and each row's filled keys and values."""
@@ -251,6 +292,7 @@ def measure(args: argparse.Namespace, python: str) -> dict:
                     server.close()
                 row["compile_s"] = compile_s
                 row["bytes"] = step_bytes(served_vars, CONFIG, batch, P, R, 4)
+                row["matmuls"] = matmul_floor(served, served_vars, batch)
                 runs["batches"][batch] = row
         finally:
             torch_side.close()
@@ -306,6 +348,14 @@ def report(args: argparse.Namespace, runs: dict) -> None:
                 f"{floor * 1e3:.3f} ms at {med(reads):.1f} GB/s; measured {step_s * 1e3:.3f} "
                 f"ms per step (prefill {med(row[prefill]) * 1e3:.1f} ms): {floor / step_s:.0%}"
             )
+        decode = [t - p for t, p in zip(row["served"], row["prefill"], strict=True)]
+        step_s, matmuls = med(decode) / (args.new - 1), row["matmuls"]
+        print(
+            f"matmul floor (served): {matmuls['seconds'] * 1e3:.3f} ms per step for the "
+            f"step's matmuls alone ({matmuls['gflops']:.0f} GFLOP/s); the bandwidth floor is "
+            f"{floor / matmuls['seconds']:.0%} of it, the measured step reaches "
+            f"{matmuls['seconds'] / step_s:.0%} of it"
+        )
         same = lambda a, b, row=row: f"{(row[a] == row[b]).mean():.1%}"  # noqa: E731
         print(
             "same greedy ids: float32 vs transformers float32 "
