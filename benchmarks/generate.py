@@ -337,24 +337,24 @@ def report(args: argparse.Namespace, runs: dict) -> None:
                 f"{min(ratios):.2f}-{max(ratios):.2f}) |"
             )
         floor = row["bytes"] / (med(reads) * 1e9)
+        step = {}  # seconds per decode step, by side
         for label, key, prefill in (
             ("served", "served", "prefill"),
             (f"served, {args.lanes} lanes", "lanes", "lanes_prefill"),
         ):
             decode = [t - p for t, p in zip(row[key], row[prefill], strict=True)]
-            step_s = med(decode) / (args.new - 1)
+            step[key] = step_s = med(decode) / (args.new - 1)
             print(
                 f"roofline ({label}): {row['bytes'] / 2**20:.1f} MiB read per decode step, "
                 f"{floor * 1e3:.3f} ms at {med(reads):.1f} GB/s; measured {step_s * 1e3:.3f} "
                 f"ms per step (prefill {med(row[prefill]) * 1e3:.1f} ms): {floor / step_s:.0%}"
             )
-        decode = [t - p for t, p in zip(row["served"], row["prefill"], strict=True)]
-        step_s, matmuls = med(decode) / (args.new - 1), row["matmuls"]
+        matmuls = row["matmuls"]
         print(
             f"matmul floor (served): {matmuls['seconds'] * 1e3:.3f} ms per step for the "
             f"step's matmuls alone ({matmuls['gflops']:.0f} GFLOP/s); the bandwidth floor is "
             f"{floor / matmuls['seconds']:.0%} of it, the measured step reaches "
-            f"{matmuls['seconds'] / step_s:.0%} of it"
+            f"{matmuls['seconds'] / step['served']:.0%} of it"
         )
         same = lambda a, b, row=row: f"{(row[a] == row[b]).mean():.1%}"  # noqa: E731
         print(
