@@ -17,6 +17,7 @@ from grpo_helpers import VOCAB, WIDTH, multi_call_sessions, perturbed, single_ca
 from grpo_helpers import loss_and_grads as run
 from grpo_helpers import tiny_decoder as decoder
 
+from dew_pipe import models
 from dew_pipe.objectives.rl import GRPOObjective, PPOObjective, ValueHead
 from dew_pipe.objectives.rl.packing import pack
 
@@ -63,6 +64,30 @@ def test_gathered_head_equals_whole_rows(setup, spare):
     assert_same(ours, whole)
     assert ours[1]["response_columns_overflow"] == 0.0
     assert 0 < ours[1]["mask/band"] < 1  # the band engages, so the ratios are compared too
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_deeper_decoder_agrees_too(setup, overflow):
+    """Two layers: the last block runs on the sampled columns alone (the first on every
+    column); loss, metrics and gradients still equal the whole rows', fallback included."""
+    _, _, _, packed, most = setup
+    model = models.build(
+        "causal_transformer",
+        vocab_size=VOCAB,
+        emb_features=16,
+        num_layers=2,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=WIDTH,
+    )
+    variables = model.init(jax.random.key(3), jnp.zeros((1, SEQ), jnp.int32))
+    policy = perturbed(variables, 0.3, seed=4)
+    whole = run(GRPOObjective(model, SEQ, **OPTIONS), policy, packed, variables)
+    columns = most - 1 if overflow else most
+    objective = GRPOObjective(model, SEQ, response_columns=columns, **OPTIONS)
+    ours = run(objective, policy, packed, variables)
+    assert_same(ours, whole)
+    assert ours[1]["response_columns_overflow"] == float(overflow)
 
 
 def test_chain_pooled_options_agree(setup):

@@ -202,6 +202,83 @@ def test_gradients_are_finite_with_padding_and_remat_matches():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"scan_layers": True}, {"remat": "dots_saveable"}, {"num_layers": 1}, {"num_layers": 3}],
+    ids=["unrolled", "scan", "remat", "one-layer", "three-layers"],
+)
+def test_features_on_columns_equal_the_whole_rows_there(change):
+    """features(columns=c) is features()[c], values and gradients, over packed rows with
+    padding, several documents per row and padding columns asked for."""
+    model = models.build("causal_transformer", **dict(SMALL, max_seq_len=10, **change))
+    variables = _random_params(model, 23)
+    tokens = _tokens(24, (3, 10))
+    segments = np.array([[1] * 4 + [2] * 5 + [0], [1] * 10, [1] * 3 + [0] * 7], np.int32)
+    positions = np.array([[*range(4), *range(5), 0], [*range(10)], [0, 1, 2] + [0] * 7])
+    columns = np.array([[3, 8, 1, 4], [9, 0, 5, 6], [2, 0, 7, 1]], np.int32)
+    weights = np.random.default_rng(25).normal(size=(3, 4, SMALL["emb_features"]))
+
+    def taken(v):
+        hidden = model.apply(v, tokens, segments, positions, method="features")
+        return jnp.take_along_axis(hidden, columns[:, :, None], axis=1)
+
+    def picked(v):
+        return model.apply(v, tokens, segments, positions, method="features", columns=columns)
+
+    want, got = jax.jit(taken)(variables), jax.jit(picked)(variables)
+    assert got.shape == (3, 4, SMALL["emb_features"])
+    real = (np.take_along_axis(segments, columns, axis=1) > 0)[..., None]
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-6)
+    assert np.isfinite(got).all()  # a padding column attends nothing: finite all the same
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda v: jnp.sum(jnp.where(real, fn(v), 0) * weights)))(variables)
+
+    for a, b in zip(jax.tree.leaves(grads(picked)), jax.tree.leaves(grads(taken)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_last_block_runs_on_the_columns_only():
+    """Unrolled, the last block's MLP sees [B, K] rows; under the scan every block is whole."""
+    tokens = jnp.zeros((2, 10), jnp.int32)
+    columns = jnp.zeros((2, 3), jnp.int32)
+    mlp = f"f32[{2 * 3},{SMALL['mlp_features']}]"
+    for scan, expected in ((None, True), (True, False)):
+        model = models.build("causal_transformer", **dict(SMALL, max_seq_len=10, scan_layers=scan))
+        variables = _random_params(model, 0)
+        text = str(
+            jax.make_jaxpr(
+                lambda v, m=model: m.apply(v, tokens, columns=columns, method="features")
+            )(variables)
+        )
+        assert (mlp in text) is expected
+
+
+def test_bad_columns_name_the_field(cached):
+    model, variables, cache, _ = cached
+    tokens = jnp.zeros((2, 4), jnp.int32)
+
+    def call(columns, **kw):
+        return jax.eval_shape(
+            lambda v: model.apply(v, tokens, columns=columns, method="features", **kw), variables
+        )
+
+    with pytest.raises(TypeError, match="columns has dtype float32"):
+        call(jnp.zeros((2, 1), jnp.float32))
+    with pytest.raises(ValueError, match=r"columns has shape \(2,\); expected \[2, K\]"):
+        call(jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"columns has shape \(3, 1\)"):
+        call(jnp.zeros((3, 1), jnp.int32))
+    with pytest.raises(ValueError, match=r"K from 1 to 4"):
+        call(jnp.zeros((2, 5), jnp.int32))
+    with pytest.raises(ValueError, match="columns applies to uncached calls"):
+        call(
+            jnp.zeros((2, 1), jnp.int32),
+            cache=model.init_cache(2, 8),
+            cache_index=jnp.zeros(2, jnp.int32),
+        )
+
+
 def test_unrolled_layer_scan_gives_the_same_logits(small):
     _, variables, forward = small
     unrolled = models.build("causal_transformer", **dict(SMALL, scan_unroll=2))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dew_pipe.models.config import TransformerConfig
 
-__all__ = ["cache", "inputs"]
+__all__ = ["cache", "columns", "inputs"]
 
 
 def _int_array(name: str, value: Any) -> jax.Array:
@@ -110,3 +110,19 @@ def cache(
             f"cache_index has shape {index.shape}; expected [batch={batch}] or a scalar"
         )
     return index
+
+
+def columns(value: Any, shape: tuple[int, ...], cache: Any) -> jax.Array:
+    """``features(..., columns=value)``: integer ``[B, K]`` with ``1 <= K <= S``, uncached."""
+    if cache is not None:
+        raise ValueError(
+            "columns applies to uncached calls (training and scoring); a cached call got it"
+        )
+    value = _int_array("columns", value)
+    rows, length = shape
+    if value.ndim != 2 or value.shape[0] != rows or not 1 <= value.shape[1] <= length:
+        raise ValueError(
+            f"columns has shape {tuple(value.shape)}; expected [{rows}, K] with K from 1 to "
+            f"{length} (the tokens' [batch, seq] is {tuple(shape)})"
+        )
+    return value

@@ -147,6 +147,14 @@ class Attention(nn.Module):
         cos, sin = context["cos"], context["sin"]
         q = attention.apply_rotary(q, cos, sin) * jnp.asarray(d**-0.5, q.dtype)
         k = attention.apply_rotary(k, cos, sin)
+        if layer_cache is None and "columns" in context:
+            # Only some rows' queries are read (the last block under features(columns=)):
+            # every key and value, the queries of those columns alone.
+            columns = context["columns"]
+            q = jnp.take_along_axis(q, columns[:, :, None, None], axis=1)
+            mask = jnp.take_along_axis(context["mask"], columns[:, :, None], axis=1)
+            out = attention.attend(q, [(k, v, mask)]).reshape(*columns.shape, H * d)
+            return dense(out, o_w), None
         if layer_cache is None:
             # The mask comes from causal_segment_mask: causal, so key blocks can be skipped.
             out = self_attend(q, k, v, context["mask"], causal=True)
@@ -194,6 +202,8 @@ class Block(nn.Module):
         h, new_entries = Attention(cfg, name="attn")(
             RMSNorm(**norm, name="attn_norm")(x), context, layer_cache
         )
+        if "columns" in context:  # the attention returned those columns only
+            x = jnp.take_along_axis(x, context["columns"][:, :, None], axis=1)
         x = x + h
         x = x + MLP(cfg, name="mlp")(RMSNorm(**norm, name="mlp_norm")(x))
         return x, new_entries
@@ -287,17 +297,31 @@ class CausalTransformer(nn.Module):
         *,
         cache: Cache | None = None,
         cache_index: jax.Array | None = None,
+        columns: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, Cache]:
-        """Final-normed hidden states ``[B, S, D]`` in ``dtype`` (plus the cache if given)."""
+        """Final-normed hidden states ``[B, S, D]`` in ``dtype`` (plus the cache if given).
+
+        ``columns [B, K]`` (uncached calls only) asks for the hidden states of those columns
+        of each row alone, ``[B, K, D]``: what ``features(...)`` holds there, up to float
+        rounding. The last block then computes only those columns' queries, attention
+        output and MLP, which is what a loss on a few ids of each row (the sampled ids of
+        RL rows) reads; with the layer scan (``scan_layers``) every block runs whole and
+        the columns are taken at the end. Entries outside ``[0, S)`` are an error under
+        NumPy semantics, so callers pass valid column indices.
+        """
         cfg = self.config
         inv_freq = jnp.asarray(cfg.inverse_frequencies())
         tokens, segment_ids, positions = checks.inputs(cfg, tokens, segment_ids, positions)
+        if columns is not None:
+            columns = checks.columns(columns, tokens.shape, cache)
         x = jnp.take(self.embed, tokens, axis=0).astype(cfg.dtype)
         if cache is None:
             positions = _default_positions(tokens, positions, None)
             cos, sin = attention.rotary_angles(positions, inv_freq)
             context = dict(cos=cos, sin=sin, mask=attention.causal_segment_mask(segment_ids))
-            x, _ = self._blocks(x, None, context)
+            x, _ = self._blocks(x, None, context, columns)
+            if columns is not None and x.shape[1] != columns.shape[1]:  # the scan ran whole
+                x = jnp.take_along_axis(x, columns[:, :, None], axis=1)
             return self.final_norm(x)
         cache_index = checks.cache(cfg, cache, cache_index, tokens.shape)
         positions = _default_positions(tokens, positions, cache_index)
@@ -309,9 +333,14 @@ class CausalTransformer(nn.Module):
         return self.final_norm(x), cache
 
     def _blocks(
-        self, x: jax.Array, caches: tuple[jax.Array, jax.Array] | None, context: dict
+        self,
+        x: jax.Array,
+        caches: tuple[jax.Array, jax.Array] | None,
+        context: dict,
+        columns: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
-        """Runs every block: under the layer scan, or one after another (``scan_layers``)."""
+        """Runs every block: under the layer scan, or one after another (``scan_layers``);
+        unrolled, the last block computes ``columns`` only when they are given."""
         cfg = self.config
         if cfg.uses_layer_scan or self.is_initializing():
             return self.layers(x, caches, context)
@@ -321,7 +350,7 @@ class CausalTransformer(nn.Module):
         stacked = self.variables["params"]["layers"]
         block = Block(cfg, parent=None)  # unbound: applied to each slice explicitly
 
-        def layer(params: Any, x: jax.Array, layer_cache: Any) -> tuple[jax.Array, Any]:
+        def layer(params: Any, x: jax.Array, layer_cache: Any, context: dict):
             return block.apply({"params": params}, x, layer_cache, context)
 
         if cfg.remat_policy is not None:
@@ -330,7 +359,9 @@ class CausalTransformer(nn.Module):
         for index in range(cfg.num_layers):
             params = jax.tree.map(lambda leaf, i=index: leaf[i], stacked)
             layer_cache = None if caches is None else (caches[0][index], caches[1][index])
-            x, new = layer(params, x, layer_cache)
+            if columns is not None and index == cfg.num_layers - 1:
+                context = {**context, "columns": columns}  # the last block: those columns
+            x, new = layer(params, x, layer_cache, context)
             entries.append(new)
         if caches is None:
             return x, None

@@ -18,9 +18,12 @@ With ``response_columns=K`` the loss runs the output head and the log-softmax on
 columns per row, the row's sampled ids gathered to the front, instead of on all ``W - 1``:
 in RL batches most columns are prompt ids whose log-probabilities the loss never reads, and
 the head (``[tokens, D] x [D, V]``, forward and backward) is among the step's largest
-matmuls. A step whose batch has a row with more than ``K`` sampled ids runs the whole-row
-head instead (both are compiled; ``lax.cond`` picks one per step), and its metric
-``response_columns_overflow`` is 1. Either way the loss is the same, up to float rounding.
+matmuls. A `CausalTransformer` goes further (``features(..., columns=)``): its last block
+computes the queries, attention output and MLP of those ``K`` columns alone, since no other
+column's output reaches the loss; its keys and values still cover every column. A step whose
+batch has a row with more than ``K`` sampled ids runs whole rows instead (both are compiled;
+``lax.cond`` picks one per step), and its metric ``response_columns_overflow`` is 1. Either
+way the loss is the same, up to float rounding.
 
 Validation (``evaluate``) scores prompt perplexity: the mean negative log-likelihood of
 the raw model over real next-token transitions that the sampler did not draw, in packed
@@ -38,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew_pipe.models.transformer import CausalTransformer
 from dew_pipe.objectives.lm import summarize_nll
 from dew_pipe.objectives.rl import losses as L
 from dew_pipe.objectives.rl.grpo_batches import (
@@ -134,7 +138,7 @@ def _support_log_probs(
 
 def _sampled_head(
     head: Any,
-    hidden: jax.Array,
+    hidden_at: Any,
     targets: jax.Array,
     sampled: jax.Array,
     columns: int,
@@ -142,14 +146,16 @@ def _sampled_head(
 ) -> tuple[jax.Array, jax.Array]:
     """`token_log_probs` of the sampled targets only, the head run on ``columns`` per row.
 
-    ``hidden [N, S, D]`` predicts ``targets [N, S]``; ``sampled [N, S]`` marks the ones
-    wanted, at most ``columns`` per row. Each row's marked positions are gathered to the
-    front (a stable sort keeps their order), the head and log-softmax run on ``[N, columns]``
-    and the results go back to their columns, 0 in the others. Returns ``[N, S]`` twice.
+    ``hidden_at(order)`` gives the hidden states ``[N, columns, D]`` at columns ``order``
+    of each row; the hidden state at column c predicts ``targets [N, S]`` at c, and
+    ``sampled [N, S]`` marks the ones wanted, at most ``columns`` per row. Each row's marked
+    positions are gathered to the front (a stable sort keeps their order), the head and
+    log-softmax run on ``[N, columns]`` and the results go back to their columns, 0 in the
+    others. Returns ``[N, S]`` twice.
     """
     order = jnp.argsort(~sampled, axis=1, stable=True)[:, :columns]  # marked columns first
     kept = jnp.take_along_axis(sampled, order, axis=1)
-    picked = jnp.take_along_axis(hidden, order[..., None], axis=1)
+    picked = hidden_at(order)
     log_probs, entropy = token_log_probs(
         head(picked), jnp.take_along_axis(targets, order, axis=1), temperature=temperature
     )
@@ -211,7 +217,8 @@ class GRPOObjective:
             updates needs the rescored column. Any ``old_log_probs`` in the batch is
             ignored.
         response_columns: the most sampled ids (``response_mask``) one packed row holds;
-            the loss then scores only those columns of each row (see the module
+            the loss then scores only those columns of each row, and a
+            `CausalTransformer`'s last block computes only them (see the module
             docstring). ``SampledRollout`` rows hold one chain each unless short chains
             share a row, so its ``max_new_tokens`` is the usual value. None (the default)
             scores every column. Needs a model with ``features`` and ``logits`` call forms
@@ -369,28 +376,33 @@ class GRPOObjective:
                 logits, targets, temperature=temperature, support=support
             )
         else:
-            hidden = self.model.apply(
-                variables, ids[:, :-1], segments[:, :-1], positions[:, :-1], method="features"
-            )
+            inputs = (ids[:, :-1], segments[:, :-1], positions[:, :-1])
             sampled = batch["response_mask"][:, 1:] > 0
             fits = jnp.max(jnp.sum(sampled, axis=1)) <= columns
             overflow = 1.0 - fits.astype(jnp.float32)
+            model = self.model
 
-            def whole(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-                logits = self.model.apply(variables, hidden, method="logits")
+            def whole(variables: Variables) -> tuple[jax.Array, jax.Array]:
+                hidden = model.apply(variables, *inputs, method="features")
+                logits = model.apply(variables, hidden, method="logits")
                 return token_log_probs(logits, targets, temperature=temperature)
 
-            def gathered(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-                return _sampled_head(
-                    lambda h: self.model.apply(variables, h, method="logits"),
-                    hidden,
-                    targets,
-                    sampled,
-                    columns,
-                    temperature,
-                )
+            def gathered(variables: Variables) -> tuple[jax.Array, jax.Array]:
+                def hidden_at(order: jax.Array) -> jax.Array:
+                    if isinstance(model, CausalTransformer):  # its last block on those only
+                        return model.apply(variables, *inputs, method="features", columns=order)
+                    hidden = model.apply(variables, *inputs, method="features")
+                    return jnp.take_along_axis(hidden, order[..., None], axis=1)
 
-            log_probs, entropy = jax.lax.cond(fits, gathered, whole, hidden)
+                def head(hidden: jax.Array) -> jax.Array:
+                    return model.apply(variables, hidden, method="logits")
+
+                return _sampled_head(head, hidden_at, targets, sampled, columns, temperature)
+
+            # Under autodiff a cond passes its backward the residuals of both branches,
+            # zeros for the one not taken: the rare whole-row branch is rematerialized so
+            # that its residuals are its inputs, not a zero copy of every activation.
+            log_probs, entropy = jax.lax.cond(fits, gathered, jax.checkpoint(whole), variables)
         scorable = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
         pad = jnp.zeros((ids.shape[0], 1), bool)
         scorable = jnp.concatenate([pad, scorable], axis=1)
