@@ -17,13 +17,13 @@ VOCAB = 13
 WIDTH = 16
 
 
-def tiny_decoder():
-    """The project's decoder at test size (one layer, 13 ids, 16 positions)."""
+def tiny_decoder(num_layers: int = 1):
+    """The project's decoder at test size (one layer unless asked, 13 ids, 16 positions)."""
     return models.build(
         "causal_transformer",
         vocab_size=VOCAB,
         emb_features=16,
-        num_layers=1,
+        num_layers=num_layers,
         num_heads=2,
         mlp_features=32,
         max_seq_len=WIDTH,

@@ -17,7 +17,6 @@ from grpo_helpers import VOCAB, WIDTH, multi_call_sessions, perturbed, single_ca
 from grpo_helpers import loss_and_grads as run
 from grpo_helpers import tiny_decoder as decoder
 
-from dew_pipe import models
 from dew_pipe.objectives.rl import GRPOObjective, PPOObjective, ValueHead
 from dew_pipe.objectives.rl.packing import pack
 
@@ -71,15 +70,7 @@ def test_a_deeper_decoder_agrees_too(setup, overflow):
     """Two layers: the last block runs on the sampled columns alone (the first on every
     column); loss, metrics and gradients still equal the whole rows', fallback included."""
     _, _, _, packed, most = setup
-    model = models.build(
-        "causal_transformer",
-        vocab_size=VOCAB,
-        emb_features=16,
-        num_layers=2,
-        num_heads=2,
-        mlp_features=32,
-        max_seq_len=WIDTH,
-    )
+    model = decoder(num_layers=2)
     variables = model.init(jax.random.key(3), jnp.zeros((1, SEQ), jnp.int32))
     policy = perturbed(variables, 0.3, seed=4)
     whole = run(GRPOObjective(model, SEQ, **OPTIONS), policy, packed, variables)

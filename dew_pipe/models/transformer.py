@@ -306,8 +306,9 @@ class CausalTransformer(nn.Module):
         rounding. The last block then computes only those columns' queries, attention
         output and MLP, which is what a loss on a few ids of each row (the sampled ids of
         RL rows) reads; with the layer scan (``scan_layers``) every block runs whole and
-        the columns are taken at the end. Entries outside ``[0, S)`` are an error under
-        NumPy semantics, so callers pass valid column indices.
+        the columns are taken at the end. Column values are not checked (they are only
+        known inside the compiled call): pass values in ``[0, S)``; negative ones count
+        from the row's end, as in NumPy, and ones past either end read NaN.
         """
         cfg = self.config
         inv_freq = jnp.asarray(cfg.inverse_frequencies())
