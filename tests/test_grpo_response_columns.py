@@ -81,6 +81,32 @@ def test_a_deeper_decoder_agrees_too(setup, overflow):
     assert ours[1]["response_columns_overflow"] == float(overflow)
 
 
+class _Delegate:
+    """Another model with the split call forms (not a CausalTransformer): the head alone
+    runs on the gathered columns, after a whole-row forward pass."""
+
+    def __init__(self, model):
+        self.inner, self.config = model, model.config
+        self.features = self.logits = model.features
+
+    def init(self, *args, **kwargs):
+        return self.inner.init(*args, **kwargs)
+
+    def apply(self, *args, **kwargs):
+        return self.inner.apply(*args, **kwargs)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_other_models_gather_after_the_forward_pass(setup, overflow):
+    model, variables, policy, packed, most = setup
+    whole = run(GRPOObjective(model, SEQ, **OPTIONS), policy, packed, variables)
+    columns = most - 1 if overflow else most
+    objective = GRPOObjective(_Delegate(model), SEQ, response_columns=columns, **OPTIONS)
+    ours = run(objective, policy, packed, variables)
+    assert_same(ours, whole)
+    assert ours[1]["response_columns_overflow"] == float(overflow)
+
+
 def test_chain_pooled_options_agree(setup):
     model, _, policy, packed, most = setup
     whole = run(GRPOObjective(model, SEQ, **CHAIN), policy, packed, None)

@@ -382,27 +382,38 @@ class GRPOObjective:
             overflow = 1.0 - fits.astype(jnp.float32)
             model = self.model
 
-            def whole(variables: Variables) -> tuple[jax.Array, jax.Array]:
-                hidden = model.apply(variables, *inputs, method="features")
-                logits = model.apply(variables, hidden, method="logits")
-                return token_log_probs(logits, targets, temperature=temperature)
+            def head(hidden: jax.Array) -> jax.Array:
+                return model.apply(variables, hidden, method="logits")
 
-            def gathered(variables: Variables) -> tuple[jax.Array, jax.Array]:
-                def hidden_at(order: jax.Array) -> jax.Array:
-                    if isinstance(model, CausalTransformer):  # its last block on those only
+            def whole_head(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+                return token_log_probs(head(hidden), targets, temperature=temperature)
+
+            if isinstance(model, CausalTransformer):
+                # The last block runs on the gathered columns too, so each branch holds the
+                # whole forward pass. Under autodiff a cond passes its backward the
+                # residuals of both branches, zeros for the one not taken: the rare
+                # whole-row branch is rematerialized, so its residuals are only its inputs.
+                def whole(variables: Variables) -> tuple[jax.Array, jax.Array]:
+                    return whole_head(model.apply(variables, *inputs, method="features"))
+
+                def gathered(variables: Variables) -> tuple[jax.Array, jax.Array]:
+                    def hidden_at(order: jax.Array) -> jax.Array:
                         return model.apply(variables, *inputs, method="features", columns=order)
-                    hidden = model.apply(variables, *inputs, method="features")
-                    return jnp.take_along_axis(hidden, order[..., None], axis=1)
 
-                def head(hidden: jax.Array) -> jax.Array:
-                    return model.apply(variables, hidden, method="logits")
+                    return _sampled_head(head, hidden_at, targets, sampled, columns, temperature)
 
-                return _sampled_head(head, hidden_at, targets, sampled, columns, temperature)
+                whole = jax.checkpoint(whole)
+                log_probs, entropy = jax.lax.cond(fits, gathered, whole, variables)
+            else:  # any other model: the forward pass once, the head alone under the cond
 
-            # Under autodiff a cond passes its backward the residuals of both branches,
-            # zeros for the one not taken: the rare whole-row branch is rematerialized so
-            # that its residuals are its inputs, not a zero copy of every activation.
-            log_probs, entropy = jax.lax.cond(fits, gathered, jax.checkpoint(whole), variables)
+                def picked(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    def taken(order: jax.Array) -> jax.Array:
+                        return jnp.take_along_axis(hidden, order[..., None], axis=1)
+
+                    return _sampled_head(head, taken, targets, sampled, columns, temperature)
+
+                hidden = model.apply(variables, *inputs, method="features")
+                log_probs, entropy = jax.lax.cond(fits, picked, whole_head, hidden)
         scorable = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
         pad = jnp.zeros((ids.shape[0], 1), bool)
         scorable = jnp.concatenate([pad, scorable], axis=1)
