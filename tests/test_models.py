@@ -238,6 +238,19 @@ def test_features_on_columns_equal_the_whole_rows_there(change):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scan", [None, True], ids=["unrolled", "scan"])
+def test_columns_as_wide_as_the_rows_are_still_taken(scan):
+    """K == S: a reordering of every column comes back in the asked order."""
+    model = models.build("causal_transformer", **dict(SMALL, max_seq_len=6, scan_layers=scan))
+    variables = _random_params(model, 31)
+    tokens = _tokens(32, (2, 6))
+    columns = np.array([[5, 4, 3, 2, 1, 0], [2, 0, 1, 5, 3, 4]], np.int32)
+    hidden = model.apply(variables, tokens, method="features")
+    got = model.apply(variables, tokens, columns=columns, method="features")
+    want = np.take_along_axis(np.asarray(hidden), columns[:, :, None], axis=1)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
 def test_the_last_block_runs_on_the_columns_only():
     """Unrolled, the last block's MLP sees [B, K] rows; under the scan every block is whole."""
     tokens = jnp.zeros((2, 10), jnp.int32)

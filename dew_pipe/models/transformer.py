@@ -321,8 +321,6 @@ class CausalTransformer(nn.Module):
             cos, sin = attention.rotary_angles(positions, inv_freq)
             context = dict(cos=cos, sin=sin, mask=attention.causal_segment_mask(segment_ids))
             x, _ = self._blocks(x, None, context, columns)
-            if columns is not None and x.shape[1] != columns.shape[1]:  # the scan ran whole
-                x = jnp.take_along_axis(x, columns[:, :, None], axis=1)
             return self.final_norm(x)
         cache_index = checks.cache(cfg, cache, cache_index, tokens.shape)
         positions = _default_positions(tokens, positions, cache_index)
@@ -340,11 +338,15 @@ class CausalTransformer(nn.Module):
         context: dict,
         columns: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
-        """Runs every block: under the layer scan, or one after another (``scan_layers``);
-        unrolled, the last block computes ``columns`` only when they are given."""
+        """Runs every block: under the layer scan, or one after another (``scan_layers``).
+        Given ``columns``, returns those columns only: unrolled, the last block computes
+        them alone; under the scan, every block runs whole and they are taken after."""
         cfg = self.config
         if cfg.uses_layer_scan or self.is_initializing():
-            return self.layers(x, caches, context)
+            x, entries = self.layers(x, caches, context)
+            if columns is not None:
+                x = jnp.take_along_axis(x, columns[:, :, None], axis=1)
+            return x, entries
         # Same stacked parameters as the scan makes (and init always goes through the scan),
         # each layer applied to its own slice: no stacked per-layer activations to write
         # into and read back from, which is what the scan's backward pass needs.

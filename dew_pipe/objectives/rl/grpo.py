@@ -390,20 +390,20 @@ class GRPOObjective:
 
             if isinstance(model, CausalTransformer):
                 # The last block runs on the gathered columns too, so each branch holds the
-                # whole forward pass. Under autodiff a cond passes its backward the
-                # residuals of both branches, zeros for the one not taken: the rare
-                # whole-row branch is rematerialized, so its residuals are only its inputs.
-                def whole(variables: Variables) -> tuple[jax.Array, jax.Array]:
+                # whole forward pass (both read `variables` from this scope). Under
+                # autodiff a cond passes its backward the residuals of both branches, zeros
+                # for the one not taken: the rare whole-row branch is rematerialized, so
+                # its residuals are only its inputs.
+                def whole() -> tuple[jax.Array, jax.Array]:
                     return whole_head(model.apply(variables, *inputs, method="features"))
 
-                def gathered(variables: Variables) -> tuple[jax.Array, jax.Array]:
+                def gathered() -> tuple[jax.Array, jax.Array]:
                     def hidden_at(order: jax.Array) -> jax.Array:
                         return model.apply(variables, *inputs, method="features", columns=order)
 
                     return _sampled_head(head, hidden_at, targets, sampled, columns, temperature)
 
-                whole = jax.checkpoint(whole)
-                log_probs, entropy = jax.lax.cond(fits, gathered, whole, variables)
+                log_probs, entropy = jax.lax.cond(fits, gathered, jax.checkpoint(whole))
             else:  # any other model: the forward pass once, the head alone under the cond
 
                 def picked(hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
