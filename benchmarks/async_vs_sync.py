@@ -91,6 +91,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
+        "--lag",
+        type=int,
+        default=1,
+        help="the async modes' RolloutScheduler(ahead=N, max_lag=N): batches the server "
+        "may run ahead of the update, and the most updates a batch's weights may lag",
+    )
+    parser.add_argument(
         "--served-dtype",
         default="auto",
         help="the rollout server's precision: auto (bfloat16 where the CPU multiplies it "
@@ -405,7 +412,7 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
     from dew_pipe.inference import ProcessRolloutServer, PromptSource
     from dew_pipe.objectives.rl import RolloutScheduler, prompt_tasks
 
-    ahead = 0 if mode == "sync-pipeline" else 1
+    ahead = 0 if mode == "sync-pipeline" else args.lag
     server = serving(args, mode, objective.model, objective.pretrained, sampling)
     source = PromptSource(
         server,
@@ -493,6 +500,7 @@ def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
         "--response-columns", str(args.response_columns),
         "--served-dtype", args.served_dtype, "--eval-prompts", str(args.eval_prompts),
         "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
+        "--lag", str(args.lag),
     ]  # fmt: skip
     others, waited = others_now(), 0.0
     while others > args.quiet and waited < args.max_wait:  # let a neighbour's burst pass

@@ -173,6 +173,102 @@ def test_each_lane_samples_its_rows_with_its_own_key(setup):
             )
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_repeats_draw_what_the_repeated_prompts_draw(setup, lanes):
+    """One prefill per prompt, its cache copied to the G rows of its group: the same draws
+    as the prompts repeated G times, with per-row budgets and EOS stops mixed in."""
+    model, variables, _ = setup
+    prompts, lengths = left_padded(PROMPTS)
+    groups, key = 3, jax.random.key(5)
+    sampling = Sampling(eos_id=(4, 9), temperature=1.4, top_k=12)
+    budgets = np.array([6, 2, 5, 4, 6, 1, 3, 6, 5])  # [B * G], each group mixed
+    repeated = generate(
+        model,
+        variables,
+        np.repeat(prompts, groups, 0),
+        np.repeat(lengths, groups),
+        budgets,
+        key,
+        sampling,
+        support=True,
+        pad_id=PAD,
+    )
+    shared = generate(
+        model, variables, prompts, lengths, budgets, key, sampling, support=True, pad_id=PAD,
+        repeats=groups,
+    )  # fmt: skip
+    if lanes > 1:  # lanes take whole groups: the lanes' keys give other draws, same shapes
+        shared = generate(
+            model, variables, prompts, lengths, budgets, key, sampling, pad_id=PAD,
+            repeats=groups, lanes=lanes,
+        )  # fmt: skip
+        first = generate(
+            model, variables, prompts[:2], lengths[:2], budgets[:6], jax.random.fold_in(key, 0),
+            sampling, pad_id=PAD, repeats=groups,
+        )  # fmt: skip
+        second = generate(
+            model, variables, prompts[2:], lengths[2:], budgets[6:], jax.random.fold_in(key, 1),
+            sampling, pad_id=PAD, repeats=groups,
+        )  # fmt: skip
+        repeated = Generated(
+            *(
+                None if a is None else np.concatenate([a, b])
+                for a, b in zip(first, second, strict=True)
+            )
+        )
+    assert shared.ids.shape == (len(PROMPTS) * groups, 6)
+    for field in ("ids", "lengths", "stopped", "support"):
+        want, got = getattr(repeated, field), getattr(shared, field)
+        if want is None:
+            assert got is None, field
+            continue
+        np.testing.assert_array_equal(got, want, err_msg=field)
+    for field in ("log_probs", "behavior_log_probs"):  # a few float32 ulps: batch shapes
+        np.testing.assert_allclose(
+            getattr(shared, field), getattr(repeated, field), rtol=1e-6, atol=1e-6
+        )
+    out = np.asarray(shared.ids)
+    assert len({tuple(row) for row in out}) > len(PROMPTS)  # groups' rows differ: own noise
+    assert bool(np.asarray(shared.stopped).any()) and not bool(np.asarray(shared.stopped).all())
+    np.testing.assert_array_equal(np.asarray(shared.lengths) <= budgets, True)
+
+
+def test_repeats_prefill_each_prompt_once(setup):
+    """The prefill's projections run on the B prompts' B * P positions, not B * G * P (the
+    leading dimension of the compiled call's matmuls, read off its jaxpr)."""
+    model, variables, _ = setup
+    prompts, lengths = left_padded(PROMPTS)
+    groups = 4
+
+    def rows(prompts, lengths, **kwargs):
+        jaxpr = jax.make_jaxpr(
+            lambda v: generate(model, v, prompts, lengths, 3, jax.random.key(0), **kwargs).ids
+        )(variables)
+        dots = (eq for eq in _equations(jaxpr.jaxpr) if eq.primitive.name == "dot_general")
+        return {eq.outvars[0].aval.shape[0] for eq in dots}
+
+    prompt_positions = len(PROMPTS) * WIDTH
+    shared = rows(prompts, lengths, repeats=groups)
+    assert prompt_positions in shared and prompt_positions * groups not in shared, shared
+    repeated = rows(np.repeat(prompts, groups, 0), np.repeat(lengths, groups))
+    assert prompt_positions * groups in repeated, repeated
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, nested ones (jit, loops, conds) included."""
+    for eq in jaxpr.eqns:
+        yield eq
+        for value in eq.params.values():
+            inner = getattr(value, "jaxpr", None)
+            if inner is not None:
+                yield from _equations(getattr(inner, "jaxpr", inner))
+            elif isinstance(value, tuple | list):
+                for item in value:
+                    inner = getattr(item, "jaxpr", None)
+                    if inner is not None:
+                        yield from _equations(getattr(inner, "jaxpr", inner))
+
+
 @pytest.mark.parametrize("split_layers", [True, False])
 def test_decode_step_leaves_a_finished_rows_cache_alone(setup, split_layers):
     model, variables, _ = setup
@@ -280,6 +376,12 @@ def test_decode_step_refuses_to_split_other_models(setup):
         (dict(lanes=0), ValueError, "lanes is 0"),
         (dict(lanes=3), ValueError, "lanes is 3"),
         (dict(lanes=2.0), TypeError, "lanes is 2.0"),
+        (dict(repeats=0), ValueError, "repeats is 0"),
+        (
+            dict(repeats=2, max_new_tokens=np.array([2, 1])),
+            ValueError,
+            "shape \\(2,\\); expected an int or \\[4\\]",
+        ),
     ],
 )
 def test_generate_refuses_bad_input(setup, change, error, match):
@@ -292,13 +394,14 @@ def test_generate_refuses_bad_input(setup, change, error, match):
         pad_id=0,
         capacity=None,
         lanes=1,
+        repeats=1,
     )
     args.update(change)
     with pytest.raises(error, match=match):
         generate(
             model, variables, args["prompts"], args["prompt_lengths"], args["max_new_tokens"],
             jax.random.key(0), args["sampling"], pad_id=args["pad_id"], capacity=args["capacity"],
-            lanes=args["lanes"],
+            lanes=args["lanes"], repeats=args["repeats"],
         )  # fmt: skip
 
 

@@ -108,6 +108,7 @@ def generate(
     pad_id: int = 0,
     capacity: int | None = None,
     lanes: int = 1,
+    repeats: int = 1,
 ) -> Generated:
     """Samples up to ``max_new_tokens`` ids for each left-padded prompt, in one compiled call.
 
@@ -133,15 +134,23 @@ def generate(
             batches 16-256, ``benchmarks/generate.py``). Lane ``l`` draws
             with ``fold_in(key, l)`` when ``lanes > 1``, so sampled ids depend on ``lanes``
             (greedy ones do not, up to float rounding across batch shapes); each lane stops
-            when its own rows have finished.
+            when its own rows have finished. With ``repeats``, lanes split the prompts,
+            each lane taking whole groups of ``repeats`` rows.
+        repeats: ``G``, rows sampled per prompt (a GRPO group): the outputs have ``B * G``
+            rows, row ``b * G + g`` being draw ``g`` of prompt ``b``. Each prompt goes
+            through the decoder once and its cache is copied to its ``G`` rows, so the
+            prefill costs ``B`` rows instead of ``B * G``; the draws are those of
+            `generate` on the prompts repeated ``G`` times (``np.repeat(prompts, G, 0)``,
+            the same key), up to float rounding across batch shapes. A per-row
+            ``max_new_tokens`` then has ``B * G`` budgets.
 
     Returns:
         A `Generated` of device arrays.
 
     Raises:
         TypeError / ValueError: bad shapes, dtypes, lengths or budgets, ids out of the
-            vocabulary, EOS ids out of the vocabulary, ``P + R - 1 > max_seq_len``, or
-            ``lanes`` outside ``[1, B]``.
+            vocabulary, EOS ids out of the vocabulary, ``P + R - 1 > max_seq_len``,
+            ``lanes`` outside ``[1, B]`` or ``repeats`` below 1.
 
     Example:
         >>> out = generate(model, variables, prompts, lengths, 8, jax.random.key(0),
@@ -153,7 +162,8 @@ def generate(
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling is {sampling!r}; expected a dew_pipe.sampling.Sampling")
     lengths, width = _check_prompts(model, prompts, prompt_lengths)
-    limits = _budgets(max_new_tokens, len(lengths))
+    repeats = check_int("repeats", repeats, minimum=1)
+    limits = _budgets(max_new_tokens, len(lengths) * repeats)
     room = int(limits.max()) if capacity is None else check_int("capacity", capacity, minimum=1)
     if room < limits.max():
         raise ValueError(f"capacity is {room}; expected at least the largest budget {limits.max()}")
@@ -166,7 +176,9 @@ def generate(
             f"exceeds the model's max_seq_len={cfg.max_seq_len}"
         )
     lanes = check_int("lanes", lanes, minimum=1, maximum=len(lengths))
-    options = dict(budget=room, sampling=sampling, support=bool(support), pad_id=int(pad_id))
+    options = dict(
+        budget=room, sampling=sampling, support=bool(support), pad_id=int(pad_id), repeats=repeats
+    )
     if lanes == 1:
         return _compiled(
             model,
@@ -194,21 +206,23 @@ def _in_lanes(
     slots: int,
     options: dict[str, Any],
 ) -> Generated:
-    """`generate`'s rows as ``lanes`` equal calls running at once, joined row-wise."""
-    rows = len(lengths)
-    size = -(-rows // lanes)  # rows per lane; ceil(rows / size) lanes have real rows
+    """`generate`'s rows as ``lanes`` equal calls running at once, joined row-wise
+    (with ``repeats``, each lane takes whole prompts and their groups of rows)."""
+    rows, repeats = len(lengths), options["repeats"]
+    size = -(-rows // lanes)  # prompts per lane; ceil(rows / size) lanes have real ones
     prompts = jnp.asarray(prompts, jnp.int32)
 
     def lane(index: int) -> Generated:
         take = np.arange(index * size, (index + 1) * size)
-        take = np.where(take < rows, take, index * size)  # padding: the lane's first row
+        take = np.where(take < rows, take, index * size)  # padding: the lane's first prompt
+        grouped = (take[:, None] * repeats + np.arange(repeats)).reshape(-1)
         out = _compiled(
             model,
             variables,
             model.init_cache(size, slots),
             prompts[take],
             jnp.asarray(lengths[take], jnp.int32),
-            jnp.asarray(limits[take]),
+            jnp.asarray(limits[grouped]),
             jax.random.fold_in(key, index),
             **options,
         )
@@ -220,7 +234,7 @@ def _in_lanes(
 
     def joined(field: str) -> jax.Array | None:
         values = [getattr(part, field) for part in parts]
-        return None if values[0] is None else jnp.concatenate(values)[:rows]
+        return None if values[0] is None else jnp.concatenate(values)[: rows * repeats]
 
     return Generated(*(joined(field) for field in Generated._fields))
 
@@ -324,7 +338,7 @@ def _record(out: dict[str, jax.Array], drawn: Any, active: jax.Array, t: Any, pa
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "budget", "sampling", "support", "pad_id"),
+    static_argnames=("model", "budget", "sampling", "support", "pad_id", "repeats"),
 )
 def _compiled(
     model: Any,
@@ -339,9 +353,17 @@ def _compiled(
     sampling: Sampling,
     support: bool,
     pad_id: int,
+    repeats: int,
 ) -> Generated:
-    batch = prompts.shape[0]
     logits, cache = _prefill(model, variables, cache, prompts, lengths)
+    if repeats > 1:  # each prompt's cache and last logits copied to its group of rows
+        logits, lengths = jnp.repeat(logits, repeats, 0), jnp.repeat(lengths, repeats)
+        cache = {
+            "key": jnp.repeat(cache["key"], repeats, 1),
+            "value": jnp.repeat(cache["value"], repeats, 1),
+            "positions": jnp.repeat(cache["positions"], repeats, 0),
+        }
+    batch = logits.shape[0]
     first = sample(logits, jax.random.fold_in(key, 0), sampling, support=support)
     out = {
         "ids": jnp.full((batch, budget), pad_id, jnp.int32),

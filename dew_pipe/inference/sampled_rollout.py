@@ -4,9 +4,10 @@ One call turns a ``Prompts`` batch (``prompt [B, P]`` left padded, ``prompt_leng
 reward metadata as ``[B, M]`` UTF-8 byte columns) into the packed ``[N, P + R]`` batch a
 ``GRPOObjective(seq_len=P + R - 1)`` trains on, with ``N = B * G``:
 
-1. Each prompt row is repeated ``G`` times (row ``b * G + g`` is sample ``g`` of prompt
-   ``b``) and `dew_pipe.inference.generate` samples up to ``R`` ids for all of them in one
-   compiled call, under the state's current parameters. ``prompt_length`` becomes the
+1. `dew_pipe.inference.generate` samples ``G`` completions of up to ``R`` ids per prompt
+   (``repeats=G``: row ``b * G + g`` is sample ``g`` of prompt ``b``; each prompt is
+   prefilled once for its group) in one compiled call, under the state's current
+   parameters. ``prompt_length`` becomes the
    attention mask: each row attends to its last ``prompt_length`` ids only.
 2. Each completion becomes a one-call `Session` (task and group: the prompt row; sample:
    ``g``). A completion that drew EOS is COMPLETED (finish reason ``"stop"``, the EOS kept
@@ -283,12 +284,13 @@ class SampledRollout:
             generate(
                 self.model,
                 state.params,
-                np.repeat(prompt, groups, axis=0),
-                np.repeat(lengths, groups),
+                prompt,
+                lengths,
                 budget,
                 key,
                 self.sampling,
                 pad_id=self.pad_id,
+                repeats=groups,  # one prefill per prompt, copied to its group's rows
             )
         )
         version = int(state.updates)
