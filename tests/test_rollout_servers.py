@@ -167,31 +167,40 @@ def test_host_inputs_reuse_each_compiled_step(server):
             server.submit(prompt, 5, seed=seed).result(timeout=120)
 
     serve()
-    before = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
+    before = compiled(engine_steps)
     serve()
-    assert (engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()) == before
+    assert compiled(engine_steps) == before
     leaves = jax.tree.leaves((server._cache, server._state))
     assert {leaf.devices().pop() for leaf in leaves} == {server.device}
 
 
+def compiled(engine_steps) -> tuple[int, int, int, int]:
+    """Compiled shapes so far of the server's steps (encode, place, begin, advance)."""
+    steps = (engine_steps.encode, engine_steps.place, engine_steps.begin, engine_steps.advance)
+    return tuple(step._cache_size() for step in steps)
+
+
 def test_warm_up_compiles_every_shape_before_serving_and_changes_no_draw(tiny):
-    """A warmed-up server compiles each prefill shape (joining-row bucket x prompt width)
-    and the decode call once, in its constructor; joins of any size then compile nothing,
-    and the draws are those of a server that compiles as it goes."""
+    """A warmed-up server compiles each prefill shape (distinct-prompt bucket x prompt
+    width, joining-row bucket x distinct-prompt bucket) and the decode call once, in its
+    constructor; joins of any size then compile nothing, and the draws are those of a
+    server that compiles as it goes."""
     from dew_pipe.inference.servers import engine_steps
 
     model, variables, _, _ = tiny
     options = dict(OPTIONS, capacity=20, buckets=(8, 20))  # shapes no other test compiles
-    task = ServeTask(model, variables, SAMPLING)
-    before = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
+    task = ServeTask(model, variables, Sampling(temperature=0.8, top_k=5))  # nor sampling
+    before = compiled(engine_steps)
     warm = Server.from_task(task, warm_up=True, **options)
     try:
-        after = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
-        # joining-row buckets 1, 2, 4 at widths 8 and 20; one decode call
-        assert (after[0] - before[0], after[1] - before[1]) == (6, 1)
+        after = compiled(engine_steps)
+        # encode: prompt buckets 1, 2, 4 at widths 8 and 20; place: (1, 1), (2, 1), (2, 2),
+        # (4, 1), (4, 2), (4, 4); begin: 1, 2, 4; one decode call
+        assert tuple(a - b for a, b in zip(after, before, strict=True)) == (6, 6, 3, 1)
         assert warm.counters().prefills == warm.counters().steps == 0
         long = [3, *range(1, 12)]  # 12 ids: the width-20 bucket
         requests = [(P1, 31), (long, 32), (P2, 33), (P3, 34), (long[:9], 35), (P1, 36)]
+        requests += [(P2, 37), (P2, 38), (P2, 39)]  # one prompt's group: a shared prefill
 
         def serve(server):
             draws = [server.submit(P2, 4, seed=30).result(timeout=120)]  # one row alone
@@ -199,8 +208,7 @@ def test_warm_up_compiles_every_shape_before_serving_and_changes_no_draw(tiny):
             return draws + [f.result(timeout=120) for f in futures]
 
         warm_draws = serve(warm)
-        grown = engine_steps.prefill._cache_size(), engine_steps.advance._cache_size()
-        assert grown == after
+        assert compiled(engine_steps) == after
         assert warm.counters().prefills >= 2
     finally:
         warm.close()
@@ -585,6 +593,32 @@ def test_an_idle_server_gathers_a_burst_into_one_prefill(tiny):
     finally:
         server.permits.release(10_000)
         server.close()
+
+
+def test_draws_of_one_prompt_that_join_together_share_its_prefill(tiny):
+    """A group's draws joining in one prefill run their prompt through the decoder once;
+    each still draws from its own seed exactly what it draws alone, checked against the
+    uncached reference."""
+    model, variables, _, reference = tiny
+    prompts, seeds = [P1, P2, P1, P1], [50, 51, 52, 53]
+    server = Server(model, variables, SAMPLING, **OPTIONS)
+    try:
+        shared = [f.result(timeout=120) for f in server.submit_many(prompts, 5, seeds=seeds)]
+        counters = server.counters()
+        alone = [
+            server.submit(p, 5, seed=s).result(timeout=120)
+            for p, s in zip(prompts, seeds, strict=True)
+        ]
+        after = server.counters()
+    finally:
+        server.close()
+    assert (counters.prefills, counters.joined, counters.prompts_prefilled) == (1, 4, 2)
+    assert (after.prefills - counters.prefills, after.prompts_prefilled) == (4, 6)
+    for together, single, prompt in zip(shared, alone, prompts, strict=True):
+        np.testing.assert_array_equal(together.sampled_ids, single.sampled_ids)
+        np.testing.assert_allclose(together.log_probs, single.log_probs, atol=1e-6, rtol=0)
+        check_against_reference(together, reference, variables, prompt, 5)
+    assert len({tuple(d.sampled_ids) for d in shared[::2]}) == 2  # P1's draws differ
 
 
 def serve_in_waves(tiny, join_rows):

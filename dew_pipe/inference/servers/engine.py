@@ -9,8 +9,9 @@ in a bounded queue; between two decode calls the server thread
    on its weights), and `version` moves at once, while the version each id is recorded
    with is the one the buffers held when it was drawn;
 2. releases the rows of cancelled draws;
-3. starts waiting requests in free rows (`engine_steps.prefill`: one compiled shape per
-   bucket of joining requests and prompt width, running rows untouched); an idle server
+3. starts waiting requests in free rows (`engine_steps.prefill`: compiled shapes per
+   bucket of distinct prompts, of joining requests and of prompt width, running rows
+   untouched; requests with the same prompt share its prefill); an idle server
    may first wait up to ``gather_s`` for more requests, so a burst submitted one request at
    a time starts in one prefill;
 4. advances every busy row by up to ``steps_per_call`` ids in one compiled call of a fixed
@@ -43,7 +44,7 @@ import jax
 import numpy as np
 
 from dew_pipe._validate import check_int
-from dew_pipe.inference.decoding import serving_cache
+from dew_pipe.inference.decoding import LayerCache, serving_cache
 from dew_pipe.inference.servers import engine_steps
 from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCounters, resolve
 from dew_pipe.inference.servers.engine_setup import (
@@ -205,6 +206,8 @@ class Server:
         self._signature = signature(self._variables)
         cache = serving_cache(self.model, self.model.init_cache(self.slots, self.capacity))
         self._cache = jax.device_put(cache, device)
+        keys = cache.keys[0] if isinstance(cache, LayerCache) else cache["key"]
+        self._fresh = dict(length=self.capacity, dtype=keys.dtype)  # `encode`'s cache
         self._state = jax.device_put(engine_steps.empty_slots(self.slots), device)
         self._version = options["version"]  # what new requests are stamped with
         self._served = self._version  # what the buffers hold (lags it while a push waits)
@@ -459,6 +462,7 @@ class Server:
                 prefills=c["prefills"],
                 joined=c["joined"],
                 joined_mid_flight=c["joined_mid_flight"],
+                prompts_prefilled=c["prompts_prefilled"],
                 finished=c["finished"],
                 cancelled=c["cancelled"],
                 failed=c["failed"],
@@ -616,22 +620,32 @@ class Server:
         """Compiles the decode call and every prefill shape on inputs that change nothing:
         prefill entries all aimed at an out-of-range row, a decode call with no busy row."""
         sizes = sorted({bucket(n, self.slots) for n in range(1, self.slots + 1)})
+        encoded = {}  # distinct prompts -> an `encode` output of that many (any width)
         for width in self.buckets:
-            for size in sizes:
-                ones = np.ones(size, np.int32)
-                self._cache, self._state, _ = engine_steps.prefill(
+            for unique in sizes:
+                encoded[unique] = engine_steps.encode(
                     self.model,
                     self._variables,
-                    self._cache,
-                    self._state,
-                    np.full(size, self.slots, np.int32),
-                    np.full((size, width), self.pad_id, np.int32),
-                    ones,
-                    ones,
-                    np.zeros(size, np.uint32),
-                    sampling=self.sampling,
-                    support=self.record_support,
+                    np.full((unique, width), self.pad_id, np.int32),
+                    np.ones(unique, np.int32),
+                    **self._fresh,
                 )
+        for size in sizes:  # joining entries x distinct prompts among them
+            ones, rows = np.ones(size, np.int32), np.full(size, self.slots, np.int32)
+            for unique in (u for u in sizes if u <= size):
+                self._cache, logits = engine_steps.place(
+                    self._cache, *encoded[unique], np.zeros(size, np.int32), rows
+                )
+            self._state, _ = engine_steps.begin(
+                self._state,
+                logits,
+                rows,
+                ones,
+                ones,
+                np.zeros(size, np.uint32),
+                sampling=self.sampling,
+                support=self.record_support,
+            )
         self._cache, self._state, _ = engine_steps.advance(
             self.model,
             self._variables,
@@ -650,31 +664,43 @@ class Server:
         requests = [self._rows[r] for r in joining]
         entries = bucket(len(joining), self.slots)
         width = next(b for b in self.buckets if b >= max(req.prompt.size for req in requests))
+        # Requests with the same prompt (a group's draws) share its prefill.
+        distinct: dict[bytes, int] = {}
+        source = np.zeros(entries, np.int32)
+        for j, req in enumerate(requests):
+            source[j] = distinct.setdefault(req.prompt.tobytes(), len(distinct))
+        unique = bucket(len(distinct), self.slots)
+        prompts = np.full((unique, width), self.pad_id, np.int32)
+        prompt_lengths = np.ones(unique, np.int32)
         rows = np.full(entries, self.slots, np.int32)  # out of range: a padding entry
-        prompts = np.full((entries, width), self.pad_id, np.int32)
         lengths, limits = np.ones(entries, np.int32), np.ones(entries, np.int32)
         seeds = np.zeros(entries, np.uint32)
         for j, (r, req) in enumerate(zip(joining, requests, strict=True)):
             rows[j] = r
-            prompts[j, width - req.prompt.size :] = req.prompt
+            prompts[source[j], width - req.prompt.size :] = req.prompt
+            prompt_lengths[source[j]] = req.prompt.size
             lengths[j], limits[j], seeds[j] = req.prompt.size, req.budget, req.seed
+        # Host arrays: the calls copy them to the device of the committed cache.
         self._cache, self._state, first = engine_steps.prefill(
             self.model,
             self._variables,
             self._cache,
             self._state,
-            rows,  # host arrays: the call copies them to the device of the committed cache
+            rows,
             prompts,
             lengths,
             limits,
             seeds,
             sampling=self.sampling,
             support=self.record_support,
+            unique=prompt_lengths,
+            source=source,
         )
         first = jax.device_get(first)
         finished = []
         with self._cond:
             self._counts["prefills"] += 1
+            self._counts["prompts_prefilled"] += len(distinct)
             self._counts["joined"] += len(joining)
             self._counts["joined_mid_flight"] += len(joining) if mid_flight else 0
             for j, (r, req) in enumerate(zip(joining, requests, strict=True)):

@@ -22,6 +22,9 @@ class ServerCounters:
         prefills: compiled prefill calls (each starts one or more requests).
         joined: requests started in a row.
         joined_mid_flight: of those, the ones started while another row was decoding.
+        prompts_prefilled: prompts run through the decoder by the prefills; requests that
+            join together with the same prompt (a group's draws) share one, so this is
+            ``joined`` less the shared ones.
         finished: draws resolved with a result.
         cancelled: draws dropped because their future was cancelled.
         failed: futures failed (bad prompt, close, a failure of the thread).
@@ -37,6 +40,7 @@ class ServerCounters:
     prefills: int
     joined: int
     joined_mid_flight: int
+    prompts_prefilled: int
     finished: int
     cancelled: int
     failed: int

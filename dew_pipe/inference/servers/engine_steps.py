@@ -5,12 +5,15 @@ The server keeps ``S`` rows of decoder cache (``C`` slots each; one array per la
 record of every row's decoding state on the device. Three compiled functions change them, each
 donating the cache and the slots so XLA updates them in place:
 
-- `prefill` starts ``J`` new requests in chosen rows: their left-padded prompts ``[J, P]``
-  go through the decoder into a fresh ``[J, C]`` cache (real ids at slots ``0 .. n - 1``,
-  padding dropped, as `dew_pipe.inference.generate` packs them), which is then scattered
-  into those rows; the first id of each is sampled from the last prompt position. Rows
-  not named are untouched, so the running batch is not disturbed. One compile per
-  (J bucket, P bucket).
+- `prefill` starts ``J`` new requests in chosen rows, in three compiled steps. `encode`
+  runs the ``U`` distinct prompts among them, left padded ``[U, P]``, through the decoder
+  into a fresh ``[U, C]`` cache (real ids at slots ``0 .. n - 1``, padding dropped, as
+  `dew_pipe.inference.generate` packs them) and the logits after each: one compile per
+  (U bucket, P bucket). `place` copies each request's prompt cache into its row (one light
+  compile per (J bucket, U bucket)), and `begin` samples each request's first id from its
+  prompt's logits and sets its row's state (one compile per J bucket). A GRPO group's
+  ``G`` draws of one prompt that join together so share one prefill. Rows not named are
+  untouched, so the running batch is not disturbed.
 - `advance` runs up to ``steps`` decode steps over all rows in a ``lax.while_loop``
   (`dew_pipe.inference.decoding.decode_step`), feeding each active row's last id and
   sampling its next; a row stops on EOS or on its budget. Given ``join`` (> 0) it also
@@ -31,11 +34,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew_pipe.inference.decoding import LayerCache, decode_step
 from dew_pipe.sampling import Sampled, Sampling, sample
 
-__all__ = ["Slots", "advance", "copy_into", "empty_slots", "prefill"]
+__all__ = ["Slots", "advance", "begin", "copy_into", "empty_slots", "encode", "place", "prefill"]
 
 
 class Slots(NamedTuple):
@@ -83,35 +87,20 @@ def sample_rows(
     return jax.vmap(one)(logits, seeds, counts)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("model", "sampling", "support"),
-    donate_argnames=("cache", "slots"),
-)
-def prefill(
+@functools.partial(jax.jit, static_argnames=("model", "length", "dtype"))
+def encode(
     model: Any,
     variables: Any,
-    cache: dict[str, jax.Array],
-    slots: Slots,
-    rows: jax.Array,
     prompts: jax.Array,
     lengths: jax.Array,
-    limits: jax.Array,
-    seeds: jax.Array,
     *,
-    sampling: Sampling,
-    support: bool,
-) -> tuple[dict[str, jax.Array], Slots, Sampled]:
-    """Starts requests in ``rows`` ``[J]`` (an out-of-range row marks a padding entry).
-
-    ``prompts`` ``[J, P]`` left padded, ``lengths``/``limits`` ``[J]`` int32, ``seeds``
-    ``[J]`` uint32. Returns the cache, the slots and the first sampled id of each entry.
-    """
+    length: int,
+    dtype: Any,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """``[U, P]`` left-padded prompts (``lengths`` ``[U]`` int32) through the decoder:
+    a fresh ``[U, length]`` cache in ``dtype`` holding them, and the logits ``[U, V]``
+    after each."""
     joined, width = prompts.shape
-    layered = isinstance(cache, LayerCache)
-    positions = cache.positions if layered else cache["positions"]
-    dtype = cache.keys[0].dtype if layered else cache["key"].dtype
-    length = positions.shape[1]
     start = width - lengths
     columns = jnp.arange(width, dtype=jnp.int32)[None, :]
     real = columns >= start[:, None]
@@ -127,23 +116,56 @@ def prefill(
         cache_index=-start,
         method="features",
     )
-    logits = model.apply(variables, hidden[:, -1], method="logits")
-    first = sample_rows(logits, seeds, jnp.zeros_like(lengths), sampling, support)
-    if layered:  # one scatter per layer into its own array (no stacked copy)
+    return fresh, model.apply(variables, hidden[:, -1], method="logits")
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def place(
+    cache: dict[str, jax.Array],
+    fresh: dict[str, jax.Array],
+    logits: jax.Array,
+    source: jax.Array,
+    rows: jax.Array,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Copies prompt ``source[j]``'s cache from `encode`'s ``fresh`` into row ``rows[j]``
+    (``[J]`` int32 each; an out-of-range row marks a padding entry, which writes nothing).
+    Returns the cache and each entry's logits ``[J, V]``."""
+    if isinstance(cache, LayerCache):  # one scatter per layer into its own array
         layers = range(len(cache.keys))
         cache = LayerCache(
-            keys=tuple(cache.keys[i].at[rows].set(fresh["key"][i], mode="drop") for i in layers),
-            values=tuple(
-                cache.values[i].at[rows].set(fresh["value"][i], mode="drop") for i in layers
+            keys=tuple(
+                cache.keys[i].at[rows].set(fresh["key"][i][source], mode="drop") for i in layers
             ),
-            positions=positions.at[rows].set(fresh["positions"], mode="drop"),
+            values=tuple(
+                cache.values[i].at[rows].set(fresh["value"][i][source], mode="drop") for i in layers
+            ),
+            positions=cache.positions.at[rows].set(fresh["positions"][source], mode="drop"),
         )
     else:
         cache = {
-            "key": cache["key"].at[:, rows].set(fresh["key"], mode="drop"),
-            "value": cache["value"].at[:, rows].set(fresh["value"], mode="drop"),
-            "positions": positions.at[rows].set(fresh["positions"], mode="drop"),
+            "key": cache["key"].at[:, rows].set(fresh["key"][:, source], mode="drop"),
+            "value": cache["value"].at[:, rows].set(fresh["value"][:, source], mode="drop"),
+            "positions": cache["positions"].at[rows].set(fresh["positions"][source], mode="drop"),
         }
+    return cache, logits[source]
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "support"), donate_argnames=("slots",))
+def begin(
+    slots: Slots,
+    logits: jax.Array,
+    rows: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    seeds: jax.Array,
+    *,
+    sampling: Sampling,
+    support: bool,
+) -> tuple[Slots, Sampled]:
+    """Samples each placed entry's first id from its ``logits`` ``[J, V]`` with its own
+    seed and writes the rows' decoding state. ``rows``, ``lengths``/``limits`` int32 and
+    ``seeds`` uint32 are ``[J]``. Returns the slots and the first sampled ids."""
+    first = sample_rows(logits, seeds, jnp.zeros_like(lengths), sampling, support)
     done = sampling.is_eos(first.ids) | (limits <= 1)
 
     def put(column: jax.Array, values: jax.Array) -> jax.Array:
@@ -156,6 +178,44 @@ def prefill(
         limit=put(slots.limit, limits),
         seed=put(slots.seed, seeds),
         active=put(slots.active, ~done),
+    )
+    return slots, first
+
+
+def prefill(
+    model: Any,
+    variables: Any,
+    cache: dict[str, jax.Array],
+    slots: Slots,
+    rows: Any,
+    prompts: Any,
+    lengths: Any,
+    limits: Any,
+    seeds: Any,
+    *,
+    sampling: Sampling,
+    support: bool,
+    unique: Any = None,
+    source: Any = None,
+) -> tuple[dict[str, jax.Array], Slots, Sampled]:
+    """`encode`, `place` and `begin`: starts requests in ``rows`` ``[J]``.
+
+    ``prompts`` ``[U, P]`` left padded with ``unique`` ``[U]`` int32 lengths, and
+    ``source`` ``[J]`` the prompt of each entry; without them (None) ``prompts`` is
+    ``[J, P]``, one per entry, with ``lengths``. ``lengths``/``limits`` ``[J]`` int32,
+    ``seeds`` ``[J]`` uint32.
+    """
+    layered = isinstance(cache, LayerCache)
+    positions = cache.positions if layered else cache["positions"]
+    dtype = cache.keys[0].dtype if layered else cache["key"].dtype
+    if unique is None:
+        unique, source = lengths, np.arange(len(lengths), dtype=np.int32)
+    fresh, logits = encode(
+        model, variables, prompts, unique, length=positions.shape[1], dtype=dtype
+    )
+    cache, logits = place(cache, fresh, logits, source, rows)
+    slots, first = begin(
+        slots, logits, rows, lengths, limits, seeds, sampling=sampling, support=support
     )
     return cache, slots, first
 
