@@ -556,7 +556,7 @@ def summary(results: list[list[dict]], args: argparse.Namespace) -> None:
         if values:
             text = ", ".join(f"{v:.2f}" for v in values)
             print(f"{name} / async: median {statistics.median(values):.2f}x ({text})")
-    for mode in ("async", "sync-pipeline", "async-inprocess", "async-unpinned"):
+    for mode in ("async", "sync-pipeline", *EXTRA):
         runs = by_mode.get(mode)
         if not runs:
             continue
