@@ -11,8 +11,9 @@ from. Every backend answers the `RolloutServer` requests (``submit``, ``load``,
     `Server`, dew_pipe's continuous-batching engine: rows of decoder cache served by one
     background thread, requests joining a running batch, weight reloads between steps.
 ``engine_steps.py``
-    The engine's compiled functions: join rows (``prefill``), advance rows (``advance``),
-    write new weights in place (``copy_into``).
+    The engine's compiled functions: join rows (``prefill``: ``encode`` the distinct
+    prompts, ``place`` their caches in rows, ``begin`` the draws), advance rows
+    (``advance``), write new weights in place (``copy_into``).
 ``engine_setup.py``, ``engine_records.py``
     What the engine is built from (`ServeTask`, option checks, served precision) and what
     its thread keeps (requests, reloads, `ServerCounters`).

@@ -124,8 +124,9 @@ class Server:
             their wave finishes. A busy server holds waiting requests back until that
             many rows are free; an idle one starts them at once (see ``gather_s``).
         warm_up: compile every shape the server may call before the constructor returns:
-            the decode call, and a prefill per bucket of joining rows (powers of two up
-            to ``slots``) and prompt width (``buckets``). Without it each shape compiles
+            the decode call, and the prefill's steps (`engine_steps`) for every bucket
+            (powers of two up to ``slots``) of joining rows and of distinct prompts among
+            them, and every prompt width (``buckets``). Without it each shape compiles
             the first time a join needs it, and every row waits meanwhile (1-2 s per
             prefill shape for a small decoder on 2 CPU cores); which shapes a run needs
             depends on when requests arrive, so those stalls land at unpredictable
