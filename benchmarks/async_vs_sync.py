@@ -70,6 +70,16 @@ MODES = ("sync-2core", "sync-1core", "sync-pipeline", "async")
 EXTRA = ("async-inprocess", "async-unpinned")
 TRAINER_CPU, SERVER_CPU = 0, 1
 SYNC = ("sync-2core", "sync-1core")
+# the server's counters reported over the timed steps
+COUNTERS = (
+    "steps",
+    "calls",
+    "prefills",
+    "joined",
+    "joined_mid_flight",
+    "prompts_prefilled",
+    "reloads",
+)
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -450,10 +460,7 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
         jax.block_until_ready(state)
         out.update(probe.stop())
         after = server.counters()
-        out["server"] = {
-            name: getattr(after, name) - getattr(before, name)
-            for name in ("steps", "calls", "prefills", "joined", "joined_mid_flight", "reloads")
-        }
+        out["server"] = {name: getattr(after, name) - getattr(before, name) for name in COUNTERS}
         snapshot = scheduler.snapshot()  # the timed fit's pipeline (a new stream, new counters)
     finally:
         scheduler.close()
