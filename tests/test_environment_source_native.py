@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dew_pipe.inference import EnvironmentSource
-from dew_pipe.objectives.rl import Observation, pack
+from dew_pipe.objectives.rl import EpisodeStatus, Observation, pack
 from dew_pipe.objectives.rl.sessions import Status, Task
 
 # ------------------------------------------------------------------ on the native server
@@ -174,7 +174,11 @@ def test_a_trainer_runs_through_the_scheduler_on_multi_turn_episodes(native):
         assert record.admitted_groups == 2 and record.admitted_sessions == 8
         assert record.lag is not None and 0 <= record.lag <= 1
         assert record.metrics["chains/calls_per_chain"] > 1  # multi-turn chains trained
-    turns = [len(e.actions) for e in episodes]
+    # The next batch's episodes still in flight when the scheduler closes are recorded as
+    # cancelled, some before their first turn; the rest ran to their own end.
+    ended = [e for e in episodes if e.status is not EpisodeStatus.CANCELLED]
+    assert len(ended) >= 4 * 8
+    turns = [len(e.actions) for e in ended]
     assert max(turns) == NATIVE_T and min(turns) == 1
     versions = {a.policy_step for e in episodes for a in e.actions}
     assert versions >= {0, 1, 2}  # turns sampled by the pushed weights
