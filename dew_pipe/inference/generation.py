@@ -304,10 +304,11 @@ def _budgets(value: Any, rows: int) -> np.ndarray:
     return array.astype(np.int32)
 
 
-def _prefill(
+def prefill_prompts(
     model: Any, variables: Any, cache: dict[str, jax.Array], prompts: jax.Array, lengths: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Logits after each prompt ``[B, V]`` and the cache holding its ids at slots ``[0, n_b)``."""
+    """Logits after each prompt ``[B, V]`` and the cache holding its ids at slots ``[0, n_b)``
+    (traced inside a compiled caller: `generate`, and the server's ``engine_steps.encode``)."""
     width = prompts.shape[1]
     start = width - lengths
     columns = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -355,7 +356,7 @@ def _compiled(
     pad_id: int,
     repeats: int,
 ) -> Generated:
-    logits, cache = _prefill(model, variables, cache, prompts, lengths)
+    logits, cache = prefill_prompts(model, variables, cache, prompts, lengths)
     if repeats > 1:  # each prompt's cache and last logits copied to its group of rows
         logits, lengths = jnp.repeat(logits, repeats, 0), jnp.repeat(lengths, repeats)
         cache = {

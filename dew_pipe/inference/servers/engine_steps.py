@@ -2,8 +2,8 @@
 
 The server keeps ``S`` rows of decoder cache (``C`` slots each; one array per layer, a
 `dew_pipe.inference.decoding.LayerCache`, for the decoder's layer-split step) and a `Slots`
-record of every row's decoding state on the device. Three compiled functions change them, each
-donating the cache and the slots so XLA updates them in place:
+record of every row's decoding state on the device. Compiled functions change them, each
+donating the cache or the slots it rewrites so XLA updates them in place:
 
 - `prefill` starts ``J`` new requests in chosen rows, in three compiled steps. `encode`
   runs the ``U`` distinct prompts among them, left padded ``[U, P]``, through the decoder
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew_pipe.inference.decoding import LayerCache, decode_step
+from dew_pipe.inference.generation import prefill_prompts
 from dew_pipe.sampling import Sampled, Sampling, sample
 
 __all__ = ["Slots", "advance", "begin", "copy_into", "empty_slots", "encode", "place", "prefill"]
@@ -100,23 +101,11 @@ def encode(
     """``[U, P]`` left-padded prompts (``lengths`` ``[U]`` int32) through the decoder:
     a fresh ``[U, length]`` cache in ``dtype`` holding them, and the logits ``[U, V]``
     after each."""
-    joined, width = prompts.shape
-    start = width - lengths
-    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
-    real = columns >= start[:, None]
     # A barrier: the empty cache is a constant, and XLA would otherwise constant-fold the
     # attention over it (tens of seconds of compile per prefill shape at 128 rows).
-    fresh = jax.lax.optimization_barrier(model.init_cache(joined, length, dtype=dtype))
-    hidden, fresh = model.apply(
-        variables,
-        prompts,
-        real.astype(jnp.int32),
-        jnp.where(real, columns - start[:, None], 0),
-        cache=fresh,
-        cache_index=-start,
-        method="features",
-    )
-    return fresh, model.apply(variables, hidden[:, -1], method="logits")
+    fresh = jax.lax.optimization_barrier(model.init_cache(prompts.shape[0], length, dtype=dtype))
+    logits, fresh = prefill_prompts(model, variables, fresh, prompts, lengths)
+    return fresh, logits
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
