@@ -27,6 +27,8 @@ versions            int32 [N, W]                 policy version the id was sampl
 session_index       int32 [N, W]                 which session of the batch the id came from
 call_index          int32 [N, W]                 which call of that session
 session_weights     float32 [N, W]               per-session loss weight on each id
+text_prefix_segments int32 [N, W]                (optional) segment of the shared prompt an id
+                                                 continues; 0 elsewhere (share_prompts)
 routed_experts      int [N, W, layers, top_k]    (optional) experts the engine routed each id to
 routed              bool [N, W]                  (with routed_experts) a routing record covers it
 support_ids         int32 [N, C]                 (optional) kept ids of each sampled id, -1 pad
@@ -102,6 +104,7 @@ _ROW_COLUMNS: dict[str, np.dtype] = {
     "call_index": np.dtype(np.int32),
     "session_weights": np.dtype(np.float32),
 }
+_SHARED_COLUMNS = {"text_prefix_segments": np.dtype(np.int32)}
 _PPO_COLUMNS = {"old_values": np.dtype(np.float32), "returns": np.dtype(np.float32)}
 _SUPPORT_COLUMNS = ("support_ids", "support_columns")
 _ROUTING_COLUMNS = ("routed_experts", "routed")
@@ -109,11 +112,18 @@ _ROUTING_COLUMNS = ("routed_experts", "routed")
 #: Every packed-row column name, required ones first.
 PACKED_COLUMNS: tuple[str, ...] = (
     *_ROW_COLUMNS,
+    *_SHARED_COLUMNS,
     *_ROUTING_COLUMNS,
     *_SUPPORT_COLUMNS,
     *_PPO_COLUMNS,
 )
-_OPTIONAL = {"old_log_probs", *_ROUTING_COLUMNS, *_SUPPORT_COLUMNS, *_PPO_COLUMNS}
+_OPTIONAL = {
+    "old_log_probs",
+    *_SHARED_COLUMNS,
+    *_ROUTING_COLUMNS,
+    *_SUPPORT_COLUMNS,
+    *_PPO_COLUMNS,
+}
 
 
 def packed_schema(
@@ -123,6 +133,7 @@ def packed_schema(
     support_capacity: int | None = None,
     ppo: bool = False,
     old_log_probs: bool = True,
+    share_prompts: bool = False,
 ) -> pa.Schema:
     """The Arrow schema of packed rows ``width`` ids wide.
 
@@ -132,6 +143,8 @@ def packed_schema(
       support_capacity: ``C`` to add ``support_ids`` and ``support_columns`` ``[N, C]``.
       ppo: add ``old_values`` and ``returns``.
       old_log_probs: include ``old_log_probs`` (leave out before any rescoring).
+      share_prompts: add ``text_prefix_segments`` (rows packed with
+        ``pack(..., share_prompts=True)``).
 
     Returns:
       A schema whose columns are non-nullable FixedSizeLists in :data:`PACKED_COLUMNS` order.
@@ -150,6 +163,9 @@ def packed_schema(
         if name == "old_log_probs" and not old_log_probs:
             continue
         fields.append(pa.field(name, fixed_list_type(pa.from_numpy_dtype(dtype), [width]), False))
+    if share_prompts:
+        field_type = fixed_list_type(pa.int32(), [width])
+        fields.append(pa.field("text_prefix_segments", field_type, False))
     if routed_experts is not None:
         layers, top_k, dtype = routing_spec(routed_experts)
         value = pa.from_numpy_dtype(dtype)
@@ -198,6 +214,7 @@ def _infer_options(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
         "width": int(ids.shape[1]),
         "ppo": "old_values" in batch,
         "old_log_probs": "old_log_probs" in batch,
+        "share_prompts": "text_prefix_segments" in batch,
     }
     if "routed_experts" in batch:
         r = np.asarray(batch["routed_experts"])
@@ -223,8 +240,8 @@ def _expected_arrays(batch: Mapping[str, np.ndarray], options: dict[str, Any]):
     for name in PACKED_COLUMNS:
         if name not in batch:
             continue
-        if name in _ROW_COLUMNS or name in _PPO_COLUMNS:
-            dtype = _ROW_COLUMNS.get(name, _PPO_COLUMNS.get(name))
+        if name in _ROW_COLUMNS or name in _PPO_COLUMNS or name in _SHARED_COLUMNS:
+            dtype = {**_ROW_COLUMNS, **_PPO_COLUMNS, **_SHARED_COLUMNS}[name]
             shape = (n, w)
         elif name == "routed_experts":
             layers, top_k, dtype = options["routed_experts"]
@@ -255,7 +272,8 @@ def _check_values(batch: Mapping[str, np.ndarray], width: int) -> None:
     if not np.isin(mask, (0, 1)).all():
         bad = mask[~np.isin(mask, (0, 1))][0]
         raise ValueError(f"packed rows: column 'response_mask' holds {bad}, expected only 0 or 1")
-    for name in ("text_segment_ids", "text_positions", "input_ids"):
+    names = ("text_segment_ids", "text_positions", "input_ids", "text_prefix_segments")
+    for name in (n for n in names if n in batch):
         if (batch[name] < 0).any():
             raise ValueError(
                 f"packed rows: column {name!r} holds {batch[name].min()}, expected values >= 0"
@@ -296,6 +314,7 @@ def _check_schema(schema: pa.Schema) -> dict[str, Any]:
         "width": ids_type.list_size,
         "ppo": "old_values" in names or "returns" in names,
         "old_log_probs": "old_log_probs" in names,
+        "share_prompts": "text_prefix_segments" in names,
     }
     if "routed_experts" in names or "routed" in names:
         t = schema.field("routed_experts").type if "routed_experts" in names else None

@@ -142,6 +142,8 @@ class Admission:
       truncation: "mask", "score" or "zero", as for ``pack``.
       estimator: the advantage estimator, as for ``pack``.
       support_capacity: as for ``pack``.
+      share_prompts: as for ``pack``: a group's sessions share one copy of their prompt,
+        and a group's room in the batch is counted the same way.
       audit: keep every ticket in ``ledger`` for the whole run (tests); otherwise the
         tickets of packed batches are dropped and only ``totals`` keep count.
       journal: hand every session kept from the source out through :meth:`take_kept`.
@@ -173,6 +175,7 @@ class Admission:
         audit: bool = False,
         journal: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        share_prompts: bool = False,
     ) -> None:
         self.width = check_int("width", width, minimum=1)
         self.rows = check_int("rows", rows, minimum=1)
@@ -185,6 +188,9 @@ class Admission:
         self.truncation = truncation
         self.estimator = estimator
         self.support_capacity = support_capacity
+        if not isinstance(share_prompts, bool):
+            raise TypeError(f"share_prompts is {share_prompts!r}; expected a bool")
+        self.share_prompts = share_prompts
         self.audit = audit
         self.journal = journal
         self.clock = clock
@@ -419,7 +425,9 @@ class Admission:
     def _complete(self, group: _Group) -> None:
         batch = self._batches[group.batch]
         sessions = [k.session for k in group.kept]
-        lengths = chain_lengths(sessions, self.width, self.truncation)
+        lengths = chain_lengths(
+            sessions, self.width, self.truncation, share_prompts=self.share_prompts
+        )
         # Every chain fits a row of its own, so k chains never need more than k rows: below
         # that count the placement cannot refuse, and is not run (it costs a Python loop
         # over the batch's chains for every group that completes).
@@ -494,6 +502,7 @@ class Admission:
             estimator=self.estimator,
             truncation=self.truncation,
             support_capacity=self.support_capacity,
+            share_prompts=self.share_prompts,
         )
         metrics = session_metrics(
             sessions,

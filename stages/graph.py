@@ -111,6 +111,8 @@ class GraphSettings:
       truncation: "mask", "score" or "zero" for TRUNCATED sessions (see ``pack``).
       estimator: the advantage estimator: "group", "mean" or "rloo".
       support_capacity: C, when calls record sampling supports.
+      share_prompts: pack each group's prompt once for all of its sessions
+        (``pack(..., share_prompts=True)``); the rows carry ``text_prefix_segments``.
       reward_workers: threads of the reward stage.
       audit: keep every submission's ticket in pack's ledger (memory grows with the run;
         for tests and debugging).
@@ -143,6 +145,7 @@ class GraphSettings:
     support_capacity: int | None = None
     reward_workers: int = 4
     audit: bool = False
+    share_prompts: bool = False
 
     def __post_init__(self) -> None:
         def keep(name: str, value: Any) -> None:  # a NumPy int arrives, a Python int is kept
@@ -164,8 +167,9 @@ class GraphSettings:
             raise ValueError(
                 f"estimator is {self.estimator!r}; expected one of {tuple(sorted(ESTIMATORS))}"
             )
-        if not isinstance(self.audit, bool):
-            raise TypeError(f"audit is {self.audit!r}; expected a bool")
+        for name in ("audit", "share_prompts"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} is {getattr(self, name)!r}; expected a bool")
         bound = self.ahead + self.sync_every - 1
         if self.max_lag < bound:
             raise ValueError(
@@ -329,6 +333,11 @@ def build_graph(
             f"values={values.name!r} and a scorer: the values stage takes rescore's place "
             "(and rescores itself), so pass scorer=None"
         )
+    if values is not None and s.share_prompts:
+        raise ValueError(
+            f"values={values.name!r} with share_prompts=True; the critic reads each chain "
+            "whole, so expected share_prompts=False"
+        )
     if values is not None and (s.estimator, s.truncation) != ("reward", "mask"):
         raise ValueError(
             f"values={values.name!r} with estimator={s.estimator!r} and truncation="
@@ -345,8 +354,13 @@ def build_graph(
         width=s.width, rows=s.rows, groups=s.groups, admit=s.admit, max_lag=s.max_lag,
         max_attempts=s.max_attempts, truncation=s.truncation, estimator=s.estimator,
         support_capacity=s.support_capacity, audit=s.audit, journal=journal,
+        share_prompts=s.share_prompts,
     )  # fmt: skip
-    shape = {"width": s.width, "support_capacity": s.support_capacity}
+    shape = {
+        "width": s.width,
+        "support_capacity": s.support_capacity,
+        "share_prompts": s.share_prompts,
+    }
     update: Handoff
     if trainer is None and until is not None:
         raise ValueError(
@@ -401,6 +415,7 @@ def grpo_pipeline(
     until: Callable[[TrainingState], bool] | None = None,
     journal: Journal | None = None,
     name: str = "grpo_async",
+    share_prompts: bool = False,
 ) -> Pipeline:
     """The asynchronous GRPO graph around any source, publisher and trainer (pipeline view).
 
@@ -419,7 +434,7 @@ def grpo_pipeline(
       score: ``score(task, session)`` for a source that leaves sessions unscored; None
         trusts the source's rewards (``PromptSource`` scores its own).
       width, rows, groups, max_lag, ahead, sync_every, oversample, timeout, truncation,
-        estimator, max_attempts, reward_workers: the :class:`GraphSettings`.
+        estimator, max_attempts, reward_workers, share_prompts: the :class:`GraphSettings`.
       steps: updates to train.
       state: the training state to start from, or a function returning it, called when
         the run starts; None: ``trainer.initial_state()``.
@@ -449,7 +464,7 @@ def grpo_pipeline(
         width=width, rows=rows, groups=groups, max_lag=max_lag, ahead=ahead,
         sync_every=sync_every, oversample=oversample, timeout=timeout,
         max_attempts=max_attempts, truncation=truncation, estimator=estimator,
-        reward_workers=reward_workers,
+        reward_workers=reward_workers, share_prompts=share_prompts,
     )  # fmt: skip
     if not isinstance(trainer, TrainingStep):
         raise TypeError(f"trainer={trainer!r}; expected a dew_pipe.Trainer")

@@ -200,8 +200,12 @@ class Handoff(Stage):
         weights: WeightsPublisher | None = None,
         sync_every: int = 1,
         name: str = "update",
+        share_prompts: bool = False,
     ) -> None:
-        inputs, outputs = self._ports(packed_schema(width, support_capacity=support_capacity))
+        schema = packed_schema(
+            width, support_capacity=support_capacity, share_prompts=share_prompts
+        )
+        inputs, outputs = self._ports(schema)
         super().__init__(name, inputs=inputs, outputs=outputs)
         if weights is not None and not isinstance(weights, WeightsPublisher):
             raise TypeError(f"weights={weights!r}; expected a publisher with load(params, version)")

@@ -77,6 +77,7 @@ class Pack(Stage):
         support_capacity: int | None = None,
         audit: bool = False,
         journal: Journal | None = None,
+        share_prompts: bool = False,
         name: str = "pack",
     ) -> None:
         super().__init__(
@@ -87,7 +88,9 @@ class Pack(Stage):
                 "handover": Port(Handover, required=False, doc="the trainer's progress"),
             },
             outputs={
-                "rows": packed_schema(width, support_capacity=support_capacity),
+                "rows": packed_schema(
+                    width, support_capacity=support_capacity, share_prompts=share_prompts
+                ),
                 "orders": Orders,
                 "records": Port(SchedulerRecord, required=False, doc="one per batch"),
             },
@@ -104,6 +107,7 @@ class Pack(Stage):
             support_capacity=support_capacity,
             audit=audit,
             journal=journal is not None,
+            share_prompts=share_prompts,
         )
         if journal is not None and not isinstance(journal, Journal):
             raise TypeError(f"journal={journal!r}; expected None or a Journal")

@@ -23,7 +23,14 @@ from dew_pipe.stages.protocols import LikelihoodScorer
 
 __all__ = ["SCORED", "Rescore"]
 
-SCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
+SCORED = (
+    "input_ids",
+    "text_segment_ids",
+    "text_positions",
+    "text_prefix_segments",
+    "support_ids",
+    "support_columns",
+)
 """The packed columns the scorer reads: the chains, and the recorded supports when a batch
 has them."""
 
@@ -56,11 +63,14 @@ class Rescore(Stage):
         *,
         width: int,
         support_capacity: int | None = None,
+        share_prompts: bool = False,
         name: str = "rescore",
     ) -> None:
         if not callable(score):
             raise TypeError(f"score={score!r}; expected score(params, columns) -> [N, W]")
-        schema = packed_schema(width, support_capacity=support_capacity)
+        schema = packed_schema(
+            width, support_capacity=support_capacity, share_prompts=share_prompts
+        )
         super().__init__(
             name, inputs={"rows": schema, "params": Proximal}, outputs={"rows": schema}
         )

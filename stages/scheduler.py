@@ -112,7 +112,8 @@ class RolloutScheduler:
       reward: ``score(task, session)`` for sources that leave sessions unscored (see
         :mod:`dew_pipe.stages.reward`); None trusts the source's rewards.
       width, rows, groups, max_lag, ahead, sync_every, oversample, admit, timeout,
-        max_attempts, truncation, support_capacity, estimator, reward_workers, audit: the
+        max_attempts, truncation, support_capacity, estimator, reward_workers, audit,
+        share_prompts: the
         graph's :class:`~dew_pipe.stages.graph.GraphSettings`, documented there (kept as
         ``settings``). ``max_lag`` is at least ``ahead + sync_every - 1``, and any lag
         needs the objective's ``behavior_importance``; ``audit`` keeps every submission's
@@ -168,12 +169,14 @@ class RolloutScheduler:
         reward_workers: int = 4,
         audit: bool = False,
         journal: str | os.PathLike | Journal | None = None,
+        share_prompts: bool = False,
     ) -> None:
         self.settings = GraphSettings(
             width=width, rows=rows, groups=groups, max_lag=max_lag, ahead=ahead,
             sync_every=sync_every, oversample=oversample, admit=admit, timeout=timeout,
             max_attempts=max_attempts, truncation=truncation, estimator=estimator,
             support_capacity=support_capacity, reward_workers=reward_workers, audit=audit,
+            share_prompts=share_prompts,
         )  # fmt: skip
         for name, value in (("tasks", tasks), ("log", log), ("reward", reward)):
             if value is not None and not callable(value):

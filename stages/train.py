@@ -111,10 +111,12 @@ class Train(Handoff):
         log: UpdateLog | None = None,
         until: Callable[[TrainingState], bool] | None = None,
         name: str = "update",
+        share_prompts: bool = False,
     ) -> None:
         super().__init__(
             width=width,
             support_capacity=support_capacity,
+            share_prompts=share_prompts,
             weights=weights,
             sync_every=sync_every,
             name=name,

@@ -32,7 +32,8 @@ class Outcome:
     ``calls`` calls of ``sampled`` ids each; ``stale`` makes every call report a version
     that many updates older than the one served at submission; ``reward`` None leaves the
     session unscored; ``raises`` makes the future raise it instead; ``support`` records a
-    top-2 sampling support per sampled id.
+    top-2 sampling support per sampled id; ``prompt`` is the first call's prompt length (the
+    same ids for every sample of a task).
     """
 
     delay: float = 0.0
@@ -43,6 +44,7 @@ class Outcome:
     stale: int = 0
     raises: BaseException | None = None
     support: bool = False
+    prompt: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +107,8 @@ class FakeSource:
         if stop.wait(outcome.delay):
             return Session(task.id, record.group, record.sample, record.attempt, (), "CANCELLED")
         rng = np.random.default_rng(seed)
-        calls, context = [], [1 + task.id % (VOCAB - 1)]
+        calls = []
+        context = [1 + (task.id + k) % (VOCAB - 1) for k in range(outcome.prompt)]
         for _ in range(outcome.calls):
             sampled = rng.integers(1, VOCAB, outcome.sampled)
             version = max(0, record.version - outcome.stale)

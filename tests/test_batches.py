@@ -13,7 +13,7 @@ N, W = 3, 8
 ROUTING = (2, 3, np.uint8)
 
 
-def _arrays(width=W, rows=N, *, routed=False, support=None, ppo=False, seed=0):
+def _arrays(width=W, rows=N, *, routed=False, support=None, ppo=False, shared=False, seed=0):
     """A valid packed batch with every requested column, values in range."""
     rng = np.random.default_rng(seed)
     segments = np.zeros((rows, width), np.int32)
@@ -32,6 +32,8 @@ def _arrays(width=W, rows=N, *, routed=False, support=None, ppo=False, seed=0):
         "call_index": rng.integers(0, 2, (rows, width)).astype(np.int32),
         "session_weights": rng.random((rows, width), np.float32),
     }
+    if shared:  # segment 2 continues segment 1 as a shared prompt
+        out["text_prefix_segments"] = np.where(segments == 2, 1, 0).astype(np.int32)
     if routed:
         out["routed_experts"] = rng.integers(0, 8, (rows, width, 2, 3)).astype(np.uint8)
         out["routed"] = rng.random((rows, width)) < 0.5
@@ -59,8 +61,11 @@ def test_docstring_examples_run():
 
 
 def test_schema_has_every_contract_column_with_width_in_type():
-    schema = B.packed_schema(W, routed_experts=ROUTING, support_capacity=5, ppo=True)
+    schema = B.packed_schema(
+        W, routed_experts=ROUTING, support_capacity=5, ppo=True, share_prompts=True
+    )
     assert schema.names == list(B.PACKED_COLUMNS)
+    assert schema.field("text_prefix_segments").type == pa.list_(pa.int32(), W)
     assert schema.field("input_ids").type == pa.list_(pa.int32(), W)
     assert schema.field("advantages").type == pa.list_(pa.float32(), W)
     assert schema.field("routed_experts").type == pa.list_(pa.list_(pa.list_(pa.uint8(), 3), 2), W)
@@ -86,7 +91,7 @@ def test_schema_refuses_bad_options(kwargs, match):
 
 
 def test_to_arrow_shares_every_numeric_buffer():
-    arrays = _arrays(routed=True, support=5, ppo=True)
+    arrays = _arrays(routed=True, support=5, ppo=True, shared=True)
     rb = B.packed_to_arrow(arrays)
     for name, value in arrays.items():
         if name == "routed":  # Arrow stores booleans as bits: the one documented copy
@@ -95,7 +100,7 @@ def test_to_arrow_shares_every_numeric_buffer():
 
 
 def test_from_arrow_views_every_numeric_buffer_and_round_trips():
-    arrays = _arrays(routed=True, support=5, ppo=True)
+    arrays = _arrays(routed=True, support=5, ppo=True, shared=True)
     rb = B.packed_to_arrow(arrays)
     back = B.packed_from_arrow(rb)
     assert list(back) == list(B.PACKED_COLUMNS)
@@ -123,8 +128,8 @@ def test_non_contiguous_input_is_copied_once_and_correct():
 
 
 def test_parquet_round_trip_with_every_column(tmp_path):
-    first = B.packed_to_arrow(_arrays(routed=True, support=5, ppo=True, seed=1))
-    second = B.packed_to_arrow(_arrays(routed=True, support=5, ppo=True, seed=2))
+    first = B.packed_to_arrow(_arrays(routed=True, support=5, ppo=True, shared=True, seed=1))
+    second = B.packed_to_arrow(_arrays(routed=True, support=5, ppo=True, shared=True, seed=2))
     path = B.write_parquet(tmp_path / "rows.parquet", [first, second])
     table = B.read_parquet(path, schema=first.schema)
     assert table.schema.equals(first.schema)

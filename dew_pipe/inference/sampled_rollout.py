@@ -82,7 +82,8 @@ class SampledRollout:
 
     Args:
         objective: the objective being trained; its ``model`` samples and its ``seq_len``
-            must be ``P + R - 1`` for prompt batches ``P`` ids wide.
+            must be ``P + R - 1`` for prompt batches ``P`` ids wide (with ``share_prompts``,
+            at least that: it sets the width of the shared rows).
         reward: ``reward(data_source, completion, ground_truth, extra_info) -> float``;
             must return a finite real number. It is called once per completion, on the
             host, prompt by prompt and sample by sample within a prompt.
@@ -132,6 +133,16 @@ class SampledRollout:
             packed batch, under the same parameters), so its importance weight is 1 and
             it trains as if sampled. The rewards in :meth:`metrics` stay those of the
             sampled completions; ``groups/guided`` counts the replaced groups.
+        share_prompts: pack each prompt once for all of its G completions
+            (``pack(..., share_prompts=True)``), so the update encodes it once instead of G
+            times: the loss, its gradient and the update are those of the plain rows to
+            float rounding. Rows are then ``seq_len + 1`` ids wide and the batch has
+            ``B * ceil(G / k)`` of them, where ``k = (seq_len + 2 - P) // (R + 1)`` is how
+            many full-length completions fit beside one full-length prompt; pick
+            ``seq_len >= P + G * (R + 1) - 2`` for one row per prompt (the model's
+            ``max_seq_len`` must admit rows that wide). Pays off when prompts are long
+            against completions (in ``benchmarks/async_vs_sync.py``, prompts of
+            up to 64 ids and 24 sampled ids).
 
     Attributes:
         last_sessions: the ``B * G`` one-call sessions of the last call, in packing order
@@ -152,7 +163,7 @@ class SampledRollout:
         >>> from dew_pipe.data import encode_text_column
         >>> from dew_pipe.objectives.rl import GRPOObjective
         >>> model = models.build("causal_transformer", vocab_size=8, emb_features=16,
-        ...                      num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8)
+        ...                      num_layers=1, num_heads=2, mlp_features=32, max_seq_len=10)
         >>> objective = GRPOObjective(model, seq_len=5)
         >>> def reward(data_source, completion, ground_truth, extra_info):
         ...     return float(ground_truth in completion.split())
@@ -165,6 +176,12 @@ class SampledRollout:
         >>> batch = rollout(state, prompts, jax.random.key(1))
         >>> batch["input_ids"].shape   # B * G rows of P + R ids
         (4, 6)
+        >>> shared = GRPOObjective(model, seq_len=9)   # a prompt and both completions a row
+        >>> rollout = SampledRollout(shared, reward, groups=2, max_new_tokens=3,
+        ...                          sampling=Sampling(eos_id=2, temperature=1.0),
+        ...                          share_prompts=True)
+        >>> rollout(state, prompts, jax.random.key(1))["input_ids"].shape
+        (2, 10)
         >>> sorted(rollout.metrics())  # doctest: +NORMALIZE_WHITESPACE
         ['groups/zero_advantage', 'response/length', 'response/truncated', 'reward/mean',
          'reward/positive', 'rows']
@@ -185,6 +202,7 @@ class SampledRollout:
         drop_zero_advantage: bool = False,
         row_multiple: int | None = None,
         guide: Callable[[str, str, str], Sequence[int] | np.ndarray | None] | None = None,
+        share_prompts: bool = False,
     ) -> None:
         model = getattr(objective, "model", None)
         seq_len = getattr(objective, "seq_len", None)
@@ -229,6 +247,9 @@ class SampledRollout:
             )
         self.drop_zero_advantage = drop_zero_advantage
         self.row_multiple = row_multiple
+        if not isinstance(share_prompts, bool):
+            raise TypeError(f"share_prompts is {share_prompts!r}; expected a bool")
+        self.share_prompts = share_prompts
         if guide is not None:
             if not callable(guide):
                 raise TypeError(
@@ -267,7 +288,8 @@ class SampledRollout:
         Returns:
             The packed columns, each ``[B * G, P + R]`` (see
             :mod:`dew_pipe.objectives.rl.packing`); with ``drop_zero_advantage``, ``[N, P +
-            R]`` with N a multiple of ``row_multiple``.
+            R]`` with N a multiple of ``row_multiple``. With ``share_prompts`` the rows are
+            ``seq_len + 1`` wide and there are ``B * ceil(G / k)`` of them (see the class).
 
         Raises:
             ValueError: a missing or misshapen field, ``P + R - 1`` different from the
@@ -317,17 +339,19 @@ class SampledRollout:
         sampled, guided = sessions, []
         if self.guide is not None:
             sessions, guided = self._guided(sessions, prompt, lengths, metadata, version)
+        full = self._rows(prompt.shape[0], width)
         if self.drop_zero_advantage:
-            multiple = self.row_multiple or -(-len(sessions) // 8)
+            multiple = self.row_multiple or -(-full // 8)
             rows, shape = None, {"drop_zero_advantage": True, "row_multiple": multiple}
         else:
-            rows, shape = len(sessions), {}
+            rows, shape = full, {}
         packed = pack(
             sessions,
-            width=width + budget,
+            width=self.objective.seq_len + 1 if self.share_prompts else width + budget,
             rows=rows,
             estimator=self.estimator,
             truncation=self.truncation,
+            share_prompts=self.share_prompts,
             **shape,
         )
         if guided:
@@ -435,6 +459,16 @@ class SampledRollout:
 
     # ------------------------------------------------------------------ helpers
 
+    def _rows(self, prompts: int, width: int) -> int:
+        """Rows that hold every completion of ``prompts`` prompts ``width`` ids wide when
+        each is full length: one per completion, or with shared prompts one per block of
+        the completions that fit beside one copy of the prompt."""
+        if not self.share_prompts:
+            return prompts * self.groups
+        room = self.objective.seq_len + 1 - (width - 1)  # beside a full prompt's shared ids
+        fits = room // (self.max_new_tokens + 1)
+        return prompts * -(-self.groups // fits)
+
     def _kept_share(self, sessions: Sequence[Session], packed: Mapping[str, np.ndarray]):
         """What the policy loss averages over in ``packed``, as a share of the same for
         every completion that trains: its sampled tokens ("token-mean") or completions
@@ -471,7 +505,15 @@ class SampledRollout:
                 f"length in [1, {width}]"
             )
         seq_len = self.objective.seq_len
-        if width + self.max_new_tokens - 1 != seq_len:
+        if self.share_prompts and width + self.max_new_tokens - 1 > seq_len:
+            raise ValueError(
+                f"batch field 'prompt' is {width} ids wide and max_new_tokens is "
+                f"{self.max_new_tokens}, so a completion takes up to "
+                f"{width + self.max_new_tokens} ids, but the objective's seq_len is {seq_len}; "
+                f"with share_prompts expected seq_len >= P + R - 1 = "
+                f"{width + self.max_new_tokens - 1}"
+            )
+        if not self.share_prompts and width + self.max_new_tokens - 1 != seq_len:
             raise ValueError(
                 f"batch field 'prompt' is {width} ids wide and max_new_tokens is "
                 f"{self.max_new_tokens}, so packed rows hold {width + self.max_new_tokens} ids, "

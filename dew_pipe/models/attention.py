@@ -62,11 +62,21 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """``[B, S, S]`` bool: query i may see key j when j ≤ i and both share a segment > 0."""
+def causal_segment_mask(
+    segment_ids: jax.Array, prefix_segments: jax.Array | None = None
+) -> jax.Array:
+    """``[B, S, S]`` bool: query i may see key j when j ≤ i and both share a segment > 0.
+
+    With ``prefix_segments`` ``[B, S]``, query i may also see the keys (j ≤ i) of segment
+    ``prefix_segments[i]`` when that is > 0: the shared prompt that i's segment continues
+    (rows packed with ``pack(..., share_prompts=True)``).
+    """
     length = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_segments is not None:
+        shared = prefix_segments[:, :, None] == segment_ids[:, None, :]
+        same = same | (shared & (prefix_segments > 0)[:, :, None])
     return same & causal[None] & (segment_ids > 0)[:, :, None]
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dew_pipe.models.config import TransformerConfig
 
-__all__ = ["cache", "columns", "inputs"]
+__all__ = ["cache", "columns", "inputs", "prefix_segments"]
 
 
 def _int_array(name: str, value: Any) -> jax.Array:
@@ -124,5 +124,19 @@ def columns(value: Any, shape: tuple[int, ...], cache: Any) -> jax.Array:
         raise ValueError(
             f"columns has shape {tuple(value.shape)}; expected [{rows}, K] with K from 1 to "
             f"{length} (the tokens' [batch, seq] is {tuple(shape)})"
+        )
+    return value
+
+
+def prefix_segments(value: Any, shape: tuple[int, ...], cache: Any) -> jax.Array:
+    """``prefix_segments``: integer ``[B, S]`` like the tokens, in uncached calls only."""
+    if cache is not None:
+        raise ValueError(
+            "prefix_segments applies to uncached calls (training and scoring); a cached call got it"
+        )
+    value = _int_array("prefix_segments", value)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"prefix_segments has shape {tuple(value.shape)}; expected tokens' shape {tuple(shape)}"
         )
     return value

@@ -281,9 +281,17 @@ class CausalTransformer(nn.Module):
         *,
         cache: Cache | None = None,
         cache_index: jax.Array | None = None,
+        prefix_segments: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, Cache]:
         """Logits ``[B, S, V]`` float32 (and the updated cache in a cached call)."""
-        out = self.features(tokens, segment_ids, positions, cache=cache, cache_index=cache_index)
+        out = self.features(
+            tokens,
+            segment_ids,
+            positions,
+            cache=cache,
+            cache_index=cache_index,
+            prefix_segments=prefix_segments,
+        )
         if cache is None:
             return self.logits(out)
         hidden, cache = out
@@ -298,8 +306,14 @@ class CausalTransformer(nn.Module):
         cache: Cache | None = None,
         cache_index: jax.Array | None = None,
         columns: jax.Array | None = None,
+        prefix_segments: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, Cache]:
         """Final-normed hidden states ``[B, S, D]`` in ``dtype`` (plus the cache if given).
+
+        ``prefix_segments [B, S]`` (uncached calls only): for each token, the segment of its
+        row whose keys it may read besides its own segment's (0: none), as in rows packed
+        with ``pack(..., share_prompts=True)``, where a group's completions all continue
+        one copy of their prompt. Causality still holds by column.
 
         ``columns [B, K]`` (uncached calls only) asks for the hidden states of those columns
         of each row alone, ``[B, K, D]``: what ``features(...)`` holds there, up to float
@@ -315,11 +329,14 @@ class CausalTransformer(nn.Module):
         tokens, segment_ids, positions = checks.inputs(cfg, tokens, segment_ids, positions)
         if columns is not None:
             columns = checks.columns(columns, tokens.shape, cache)
+        if prefix_segments is not None:
+            prefix_segments = checks.prefix_segments(prefix_segments, tokens.shape, cache)
         x = jnp.take(self.embed, tokens, axis=0).astype(cfg.dtype)
         if cache is None:
             positions = _default_positions(tokens, positions, None)
             cos, sin = attention.rotary_angles(positions, inv_freq)
-            context = dict(cos=cos, sin=sin, mask=attention.causal_segment_mask(segment_ids))
+            mask = attention.causal_segment_mask(segment_ids, prefix_segments)
+            context = dict(cos=cos, sin=sin, mask=mask)
             x, _ = self._blocks(x, None, context, columns)
             return self.final_norm(x)
         cache_index = checks.cache(cfg, cache, cache_index, tokens.shape)

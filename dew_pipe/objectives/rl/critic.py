@@ -105,6 +105,11 @@ def packed_values(
     Raises:
         ValueError: (at trace time) a critic output that is not ``[N, W - 1]``.
     """
+    if "text_prefix_segments" in batch:
+        raise ValueError(
+            "batch has 'text_prefix_segments' (rows packed with share_prompts=True); the "
+            "critic reads each chain whole, so pack PPO batches with share_prompts=False"
+        )
     ids, segments = batch["input_ids"], batch["text_segment_ids"]
     positions = batch["text_positions"]
     out = critic.apply(variables, ids[:, :-1], segments[:, :-1], positions[:, :-1])

@@ -364,6 +364,9 @@ class GRPOObjective:
         """
         ids, segments = batch["input_ids"], batch["text_segment_ids"]
         positions = batch["text_positions"]
+        shared = {}
+        if "text_prefix_segments" in batch:  # rows packed with share_prompts
+            shared = {"prefix_segments": batch["text_prefix_segments"][:, :-1]}
         support = None
         if temperature is not None and "support_ids" in batch:
             # The logits predicting column c sit at c - 1; padding (-1) falls outside.
@@ -371,7 +374,9 @@ class GRPOObjective:
         targets = ids[:, 1:]
         overflow = jnp.float32(0.0)
         if columns is None or support is not None or columns >= targets.shape[1]:
-            logits = self.model.apply(variables, ids[:, :-1], segments[:, :-1], positions[:, :-1])
+            logits = self.model.apply(
+                variables, ids[:, :-1], segments[:, :-1], positions[:, :-1], **shared
+            )
             log_probs, entropy = token_log_probs(
                 logits, targets, temperature=temperature, support=support
             )
@@ -395,11 +400,13 @@ class GRPOObjective:
                 # for the one not taken: the rare whole-row branch is rematerialized, so
                 # its residuals are only its inputs.
                 def whole() -> tuple[jax.Array, jax.Array]:
-                    return whole_head(model.apply(variables, *inputs, method="features"))
+                    return whole_head(model.apply(variables, *inputs, method="features", **shared))
 
                 def gathered() -> tuple[jax.Array, jax.Array]:
                     def hidden_at(order: jax.Array) -> jax.Array:
-                        return model.apply(variables, *inputs, method="features", columns=order)
+                        return model.apply(
+                            variables, *inputs, method="features", columns=order, **shared
+                        )
 
                     return _sampled_head(head, hidden_at, targets, sampled, columns, temperature)
 
@@ -412,7 +419,7 @@ class GRPOObjective:
 
                     return _sampled_head(head, taken, targets, sampled, columns, temperature)
 
-                hidden = model.apply(variables, *inputs, method="features")
+                hidden = model.apply(variables, *inputs, method="features", **shared)
                 log_probs, entropy = jax.lax.cond(fits, picked, whole_head, hidden)
         scorable = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
         pad = jnp.zeros((ids.shape[0], 1), bool)

@@ -37,8 +37,16 @@ _ALIGNED = (
     "session_index",
     "call_index",
     "session_weights",
+    "text_prefix_segments",
 )
-_INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "session_index")
+_INTEGER = (
+    "input_ids",
+    "text_segment_ids",
+    "text_positions",
+    "response_mask",
+    "session_index",
+    "text_prefix_segments",
+)
 _FLOAT = ("behavior_log_probs", "old_log_probs", "advantages")
 
 
@@ -159,6 +167,8 @@ def _check_chains(batch: Mapping[str, Any], width: int) -> np.ndarray:
             f"batch field 'response_mask' holds {mask[r, c]} at row {r}, column {c}; expected 0 or 1"
         )
     mask = mask.astype(bool)
+    if "text_prefix_segments" in batch:
+        _check_prefix_segments(np.asarray(batch["text_prefix_segments"]), segments)
     prefix = np.zeros_like(mask)
     prefix[:, 1:] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
     if (mask & ~prefix).any():
@@ -169,6 +179,50 @@ def _check_chains(batch: Mapping[str, Any], width: int) -> np.ndarray:
             "needs a prefix in its own chain"
         )
     return mask
+
+
+def _check_prefix_segments(shared: np.ndarray, segments: np.ndarray) -> None:
+    """Each id that reads a shared prompt names a segment of its row that ends before the
+    id's own segment starts, and is not padding; every id of a segment names the same."""
+    if not shared.any():
+        return
+    if shared.min() < 0:
+        r, c = _first(shared < 0)
+        raise ValueError(
+            f"batch field 'text_prefix_segments' holds {shared[r, c]} at row {r}, column {c}; "
+            "expected 0 or the segment of a shared prompt"
+        )
+    on = shared > 0
+    if (on & (segments == 0)).any():
+        r, c = _first(on & (segments == 0))
+        raise ValueError(
+            f"batch field 'text_prefix_segments' is {shared[r, c]} at row {r}, column {c}, "
+            "which is padding (text_segment_ids 0); expected 0 there"
+        )
+    if (on & (shared == segments)).any():
+        r, c = _first(on & (shared == segments))
+        raise ValueError(
+            f"batch field 'text_prefix_segments' at row {r}, column {c} names the id's own "
+            f"segment {shared[r, c]}; expected the segment of an earlier shared prompt"
+        )
+    width = segments.shape[1]
+    columns = np.arange(width)
+    for r in np.flatnonzero(on.any(axis=1)).tolist():
+        row, named = segments[r], shared[r]
+        last = np.full(width + 1, -1)  # last column of each segment in this row
+        first = np.full(width + 1, width)
+        np.maximum.at(last, row, columns)
+        np.minimum.at(first, row, columns)
+        bad = on[r] & ((last[named] < 0) | (last[named] >= first[row]))
+        changed = (row > 0) & (named != named[first[row]])
+        bad |= changed
+        if bad.any():
+            c = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"batch field 'text_prefix_segments' is {named[c]} at row {r}, column {c}; "
+                f"expected the segment of a prompt that ends before segment {row[c]} starts "
+                "in the same row, the same for every id of that segment"
+            )
 
 
 def _check_likelihoods(

@@ -29,6 +29,19 @@ otherwise train twice and count twice in its group's baseline. :func:`trains` an
 train nothing, so leaving them out only saves their rows (a report on such a batch should
 count them as dropped, not as training).
 
+**Shared prompts.** With ``share_prompts=True`` a group's completions of one prompt are
+laid out as a block: the prompt without its last id, once, as a segment of its own, then
+each completion as a segment that starts with that last id (at its usual position) and reads
+the prompt's keys through ``text_prefix_segments``. Every sampled id keeps its own column,
+predicted from the same context at the same positions as in a plain chain, so log-probs,
+losses and gradients are those of the plain layout up to float rounding; the prompt is
+encoded once per block instead of once per completion. A session shares only when it is one
+chain; a block that would pass ``width`` is split, each part with its own copy of the prompt.
+Prompt columns carry no session: ``advantages`` and ``session_weights`` are 0 there and
+``session_index`` -1. A prompt id predicted inside the shared copy is counted once per block
+by a perplexity over unsampled ids (``GRPOObjective.evaluate``), not once per completion, and
+the transition into each completion's first id is not counted.
+
 **Columns** (all ``[rows, width]`` unless noted; "sampled" = positions of sampled ids):
 
 ==================== ======= ============================================================
@@ -49,6 +62,8 @@ routed_experts       engine  ``[rows, width, layers, top_k]`` expert ids, 0 wher
 routed               bool    true where a call's routing record covers the id
 support_ids          int32   ``[rows, support_capacity]`` kept ids of each sampled id, -1 pad
 support_columns      int32   ``[rows, support_capacity]`` column of the sampled id, -1 pad
+text_prefix_segments int32   with ``share_prompts``: the segment of the shared prompt a
+                             completion's ids continue; 0 elsewhere
 ==================== ======= ============================================================
 
 ``session_weights`` makes ``aggregation="session-mean"`` a batch-level reduction: with m the
@@ -180,7 +195,13 @@ def _plan(
     return training, chains, np.asarray(lengths, dtype=np.int64)
 
 
-def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "mask") -> np.ndarray:
+def chain_lengths(
+    sessions: Sequence[Session],
+    width: int,
+    truncation: str = "mask",
+    *,
+    share_prompts: bool = False,
+) -> np.ndarray:
     """Lengths of the chains :func:`pack` would place, in session then call order.
 
     Args:
@@ -188,9 +209,12 @@ def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "ma
         width: the row width; a longer chain raises as it would in ``pack``.
         truncation: ``"mask"``, ``"score"`` or ``"zero"``; under ``"mask"`` TRUNCATED
             sessions take no rows.
+        share_prompts: the lengths of what ``pack(..., share_prompts=True)`` places
+            instead: each shared block (one prompt and the completions that continue it)
+            counts as one piece, the chains that share nothing as before.
 
     Returns:
-        ``[chains]`` int64 lengths.
+        ``[pieces]`` int64 lengths.
 
     Raises:
         TypeError, ValueError: bad arguments, or a chain longer than ``width``.
@@ -201,7 +225,97 @@ def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "ma
         [3]
     """
     width = _check_common(sessions, width, truncation)
-    return _plan(sessions, width, truncation)[2]
+    _check_flag("share_prompts", share_prompts)
+    _, chains, lengths = _plan(sessions, width, truncation)
+    if share_prompts:
+        return _share(sessions, chains, lengths, width).lengths
+    return lengths
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
+class _Pieces:
+    """What ``pack`` places: plain chains, and blocks of one shared prompt followed by the
+    completions of a group that continue it (each as a chain whose first ``skip`` ids are
+    the prompt's, written once at the block's start)."""
+
+    def __init__(self) -> None:
+        self.lengths_list: list[int] = []
+        self.members: list[list[int]] = []  # chain indices of each piece, in column order
+        self.skip: list[int] = []  # shared ids at each piece's start (0: a plain chain)
+
+    def add(self, members: list[int], skip: int, length: int) -> None:
+        self.members.append(members)
+        self.skip.append(skip)
+        self.lengths_list.append(length)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.lengths_list, dtype=np.int64)
+
+
+def _plain(lengths: np.ndarray) -> _Pieces:
+    pieces = _Pieces()
+    for k, length in enumerate(lengths.tolist()):
+        pieces.add([k], 0, length)
+    return pieces
+
+
+def _share(
+    sessions: Sequence[Session],
+    chains: list[tuple[int, list[int]]],
+    lengths: np.ndarray,
+    width: int,
+) -> _Pieces:
+    """Group the chains that can share their prompt into blocks; the rest stay plain.
+
+    Chains share when their sessions are of one (task, group), each session is that one
+    chain, and the chains' first calls have the same prompt ids (at least 2). The block
+    holds the prompt without its last id once, then each chain from that last id on, so
+    every completion's first sampled id is still predicted from a column of its own.
+    Members go into a block in chain order while it fits ``width``; a block left with one
+    member is a plain chain.
+    """
+    count: dict[int, int] = {}
+    for i, _ in chains:
+        count[i] = count.get(i, 0) + 1
+    families: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    for k, (i, chain) in enumerate(chains):
+        session = sessions[i]
+        prompt = session.calls[chain[0]].prompt_ids
+        if count[i] != 1 or prompt.size < 2:
+            alone.append(k)
+            continue
+        key = (session.task, session.group, prompt.dtype.str, prompt.tobytes())
+        families.setdefault(key, []).append(k)
+    pieces = _Pieces()
+    blocks: list[tuple[int, list[int]]] = []
+    for members in families.values():
+        skip = sessions[chains[members[0]][0]].calls[chains[members[0]][1][0]].prompt_ids.size - 1
+        block: list[int] = []
+        used = skip
+        for k in members:
+            branch = int(lengths[k]) - skip
+            if block and used + branch > width:
+                blocks.append((skip, block))
+                block, used = [], skip
+            block.append(k)
+            used += branch
+        blocks.append((skip, block))
+    order = sorted(blocks, key=lambda b: b[1][0])  # first member's chain order
+    for skip, block in order:
+        if len(block) == 1:
+            alone.append(block[0])
+        else:
+            length = skip + sum(int(lengths[k]) - skip for k in block)
+            pieces.add(block, skip, length)
+    for k in sorted(alone):
+        pieces.add([k], 0, int(lengths[k]))
+    return pieces
 
 
 def _place(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -321,6 +435,7 @@ def pack(
     arrow: bool = False,
     drop_zero_advantage: bool = False,
     row_multiple: int | None = None,
+    share_prompts: bool = False,
 ) -> dict[str, np.ndarray] | pa.RecordBatch:
     """Build one packed training batch from sessions (see the module docstring for columns).
 
@@ -349,6 +464,11 @@ def pack(
             so a stream of batches that shrink with ``drop_zero_advantage`` compiles its
             update for few shapes and never for an empty batch. None: exactly the rows
             the chains need (0 for none).
+        share_prompts: write a group's prompt once for all of its completions (see
+            "Shared prompts" in the module docstring) and add the ``text_prefix_segments``
+            column. A GRPO group of G completions of a P-id prompt then takes
+            ``P - 1 + sum(completion + 1)`` ids instead of ``G * P + sum(completion)``,
+            and the update runs its prompt through the decoder once instead of G times.
 
     Returns:
         ``{name: array}`` with every column ``[rows, width]`` (routing
@@ -377,8 +497,8 @@ def pack(
     width = _check_common(sessions, width, truncation)
     _check_counts(rows, support_capacity, estimator)
     check_int("row_multiple", row_multiple, minimum=1, allow_none=True)
-    if not isinstance(drop_zero_advantage, bool):
-        raise TypeError(f"drop_zero_advantage: expected True or False, got {drop_zero_advantage!r}")
+    _check_flag("drop_zero_advantage", drop_zero_advantage)
+    _check_flag("share_prompts", share_prompts)
     _check_unique(sessions)
     routing = _shared_routing(sessions)
     supported = any(c.support is not None for s in sessions for c in s.calls)
@@ -395,7 +515,8 @@ def pack(
         training, chains, lengths, advantages = _informative(
             training, chains, lengths, advantages, group_ids
         )
-    row, offset, needed = _place(lengths, width)
+    pieces = _share(sessions, chains, lengths, width) if share_prompts else _plain(lengths)
+    row, offset, needed = _place(pieces.lengths, width)
     if rows is None:
         rows = needed if row_multiple is None else max(1, -(-needed // row_multiple)) * row_multiple
     elif needed > rows:
@@ -403,9 +524,11 @@ def pack(
             f"rows: the chains of {len(training)} training sessions need {needed} rows of "
             f"width {width}, but rows={rows}"
         )
-    placed = _Placed(chains, row, offset, int(rows), width)
+    placed = _Placed(chains, lengths, pieces, row, offset, int(rows), width)
     by_session = dict(zip(training, advantages.tolist(), strict=True))
     batch = _core(sessions, placed, by_session)
+    if not share_prompts:
+        del batch["text_prefix_segments"]
     if routing is not None:
         batch.update(_routing(sessions, placed, *routing))
     if support_capacity is not None:
@@ -440,14 +563,33 @@ def _informative(
 
 
 class _Placed:
-    """Where each chain landed: (session, call indices), row, offset; the batch shape."""
+    """Where each chain landed: (session, call indices), row and offset, the batch shape,
+    and the shared prompts written once for several chains.
 
-    def __init__(self, chains, row, offset, rows: int, width: int) -> None:
+    A chain's offset is the column its first id would take; a chain that continues a
+    shared prompt (``skip`` > 0) writes only its ids from ``skip`` on, after the prompt's
+    ``skip`` ids written at ``prefixes[prefix]``: ``(row, column, skip, chain)``, the chain
+    whose first call supplies them.
+    """
+
+    def __init__(self, chains, lengths, pieces, row, offset, rows: int, width: int) -> None:
         self.chains: list[tuple[int, list[int]]] = chains
-        self.row = row.tolist()
-        self.offset = offset.tolist()
         self.rows = rows
         self.width = width
+        count = len(chains)
+        self.row, self.offset = [0] * count, [0] * count
+        self.skip, self.prefix = [0] * count, [-1] * count
+        self.prefixes: list[tuple[int, int, int, int]] = []
+        for members, skip, r, o in zip(
+            pieces.members, pieces.skip, row.tolist(), offset.tolist(), strict=True
+        ):
+            if skip:
+                self.prefixes.append((r, o, skip, members[0]))
+                o += skip
+            for k in members:
+                self.row[k], self.offset[k] = r, o - skip
+                self.skip[k], self.prefix[k] = skip, len(self.prefixes) - 1 if skip else -1
+                o += int(lengths[k]) - skip
 
     def __iter__(self):
         return iter(zip(self.chains, self.row, self.offset, strict=True))
@@ -457,36 +599,58 @@ def _core(
     sessions: Sequence[Session], placed: _Placed, advantage: dict[int, float]
 ) -> dict[str, np.ndarray]:
     shape = (placed.rows, placed.width)
-    ids, segments, positions, mask, versions, session_index, call_index = (
-        np.zeros(shape, np.int32) for _ in range(7)
+    ids, segments, positions, mask, versions, session_index, call_index, prefix_segments = (
+        np.zeros(shape, np.int32) for _ in range(8)
     )
     for column in (versions, session_index, call_index):
         column.fill(-1)
     old, behavior, advantages, weights = (np.zeros(shape, np.float32) for _ in range(4))
     sampled = {i: sum(c.sampled_ids.size for c in sessions[i].calls) for i in advantage}
-    chains_in_row = [0] * placed.rows
     arange = np.arange(placed.width, dtype=np.int32)
-    for (i, chain), r, o in sorted(placed, key=lambda item: (item[1], item[2])):
+    # Segments are numbered in column order within each row, shared prompts included.
+    spans = [
+        (r, o + skip, "chain", k)
+        for k, (r, o, skip) in enumerate(zip(placed.row, placed.offset, placed.skip, strict=True))
+    ]
+    spans += [(r, o, "prompt", p) for p, (r, o, _, _) in enumerate(placed.prefixes)]
+    segment_of_prefix = [0] * len(placed.prefixes)
+    chains_in_row = [0] * placed.rows
+    for r, start, kind, index in sorted(spans):
+        chains_in_row[r] += 1
+        if kind == "prompt":
+            _, _, skip, k = placed.prefixes[index]
+            i, chain = placed.chains[k]
+            ids[r, start : start + skip] = sessions[i].calls[chain[0]].prompt_ids[:skip]
+            segments[r, start : start + skip] = chains_in_row[r]
+            positions[r, start : start + skip] = arange[:skip]
+            segment_of_prefix[index] = chains_in_row[r]
+            continue
+        i, chain = placed.chains[index]
+        o, skip = placed.offset[index], placed.skip[index]
         calls = sessions[i].calls
         last = calls[chain[-1]]
         end = o + last.length
-        ids[r, o : o + last.prompt_ids.size] = last.prompt_ids
-        ids[r, o + last.prompt_ids.size : end] = last.sampled_ids
-        chains_in_row[r] += 1
-        segments[r, o:end] = chains_in_row[r]
-        positions[r, o:end] = arange[: end - o]
-        advantages[r, o:end] = advantage[i]
-        weights[r, o:end] = 1.0 / sampled[i] if sampled[i] else 0.0
+        whole = np.concatenate([last.prompt_ids, last.sampled_ids])
+        ids[r, start:end] = whole[skip:]
+        segments[r, start:end] = chains_in_row[r]
+        positions[r, start:end] = arange[skip : end - o]
+        advantages[r, start:end] = advantage[i]
+        weights[r, start:end] = 1.0 / sampled[i] if sampled[i] else 0.0
         for j in chain:
             call = calls[j]
-            start = o + call.prompt_ids.size
-            stop = start + call.sampled_ids.size
-            mask[r, start:stop] = 1
-            behavior[r, start:stop] = call.behavior_log_probs
-            old[r, start:stop] = call.old_log_probs
-            versions[r, start:stop] = call.version
-            session_index[r, start:stop] = i
-            call_index[r, start:stop] = j
+            begin = o + call.prompt_ids.size
+            stop = begin + call.sampled_ids.size
+            mask[r, begin:stop] = 1
+            behavior[r, begin:stop] = call.behavior_log_probs
+            old[r, begin:stop] = call.old_log_probs
+            versions[r, begin:stop] = call.version
+            session_index[r, begin:stop] = i
+            call_index[r, begin:stop] = j
+    for k, p in enumerate(placed.prefix):
+        if p >= 0:
+            r, o = placed.row[k], placed.offset[k]
+            end = o + sessions[placed.chains[k][0]].calls[placed.chains[k][1][-1]].length
+            prefix_segments[r, o + placed.skip[k] : end] = segment_of_prefix[p]
     return {
         "input_ids": ids,
         "text_segment_ids": segments,
@@ -499,6 +663,7 @@ def _core(
         "session_index": session_index,
         "call_index": call_index,
         "session_weights": weights,
+        "text_prefix_segments": prefix_segments,
     }
 
 
@@ -526,12 +691,20 @@ def _routing(
 ) -> dict[str, np.ndarray]:
     experts = np.zeros((placed.rows, placed.width, *shape), dtype)
     routed = np.zeros((placed.rows, placed.width), np.bool_)
-    for (i, chain), r, o in placed:
+    for ((i, chain), r, o), skip in zip(placed, placed.skip, strict=True):
         for j in chain:  # later calls overwrite earlier ones where both cover an id
             record = sessions[i].calls[j].routed_experts
+            if record is not None and record.shape[0] > skip:
+                experts[r, o + skip : o + record.shape[0]] = record[skip:]
+                routed[r, o + skip : o + record.shape[0]] = True
+    for r, o, skip, k in placed.prefixes:  # a shared prompt: its first chain's routing
+        i, chain = placed.chains[k]
+        for j in chain:
+            record = sessions[i].calls[j].routed_experts
             if record is not None:
-                experts[r, o : o + record.shape[0]] = record
-                routed[r, o : o + record.shape[0]] = True
+                n = min(skip, record.shape[0])
+                experts[r, o : o + n] = record[:n]
+                routed[r, o : o + n] = True
     return {"routed_experts": experts, "routed": routed}
 
 
