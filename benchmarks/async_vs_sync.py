@@ -99,6 +99,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="GRPOObjective(response_columns=...): the head runs on this many columns per "
         "row (default R, the completion budget, as one chain fills a row); 0 scores whole rows",
     )
+    parser.add_argument(
+        "--share-prompts",
+        action="store_true",
+        help="pack each prompt once for its G completions (SampledRollout and "
+        "RolloutScheduler share_prompts=True): rows of P - 1 + G * (R + 1) ids, rounded up, "
+        "one prompt a row, and a head on G * R columns",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
         "--lag",
@@ -142,7 +149,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if args.response_columns is None:
-        args.response_columns = args.new_tokens
+        args.response_columns = args.new_tokens * (args.groups if args.share_prompts else 1)
     unknown = sorted(set(args.modes) - set(MODES + EXTRA))
     if unknown:
         parser.error(f"--modes has {unknown}; expected names among {list(MODES + EXTRA)}")
@@ -316,7 +323,9 @@ def worker(args: argparse.Namespace) -> dict:
     from dew_pipe.objectives.rl import GRPOObjective, SampledRollout
 
     saved = pickle.loads(Path(args.weights).read_bytes())
-    model = models.build("causal_transformer", **vars(saved["config"]))
+    width, rows = packed_shape(args)
+    config = {**vars(saved["config"]), "max_seq_len": max(saved["config"].max_seq_len, width)}
+    model = models.build("causal_transformer", **config)  # rotary: no weights per position
     variables = saved["variables"]
     tokenizer = story_tokenizer()
     batches = prompt_rows(tokenizer, args)
@@ -326,7 +335,6 @@ def worker(args: argparse.Namespace) -> dict:
         records=len(batches) * args.prompts,
         batch=args.prompts,
     )
-    width = args.prompt_len + args.new_tokens
     objective = GRPOObjective(
         model,
         seq_len=width - 1,
@@ -353,6 +361,7 @@ def worker(args: argparse.Namespace) -> dict:
                 max_new_tokens=args.new_tokens,
                 sampling=sampling,
                 decode=tokenizer.decode,
+                share_prompts=args.share_prompts,
             )
         )
         trainer = trainer_of(rollout)
@@ -370,6 +379,16 @@ def worker(args: argparse.Namespace) -> dict:
         out.update(found)
     out["eval_reward"] = held_out_reward(args, objective.model, state.params, tokenizer)
     return out
+
+
+def packed_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """Width and rows of a step's packed batch: one completion a row of P + R ids, or with
+    ``--share-prompts`` one prompt and its G completions a row, the width rounded up so
+    that its ``seq_len`` is a multiple of 8 (the decoder's causal attention blocks)."""
+    if not args.share_prompts:
+        return args.prompt_len + args.new_tokens, args.prompts * args.groups
+    seq_len = args.prompt_len - 2 + args.groups * (args.new_tokens + 1)
+    return -(-seq_len // 8) * 8 + 1, args.prompts
 
 
 def held_out_reward(args: argparse.Namespace, model, params, tokenizer) -> float:
@@ -437,10 +456,11 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
         objective,
         source,
         server,
-        width=args.prompt_len + args.new_tokens,
-        rows=args.prompts * args.groups,
+        width=packed_shape(args)[0],
+        rows=packed_shape(args)[1],
         groups=args.groups,
         tasks=prompt_tasks,
+        share_prompts=args.share_prompts,
         max_lag=ahead,
         ahead=ahead,
         truncation="score",
@@ -507,7 +527,7 @@ def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
         "--response-columns", str(args.response_columns),
         "--served-dtype", args.served_dtype, "--eval-prompts", str(args.eval_prompts),
         "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
-        "--lag", str(args.lag),
+        "--lag", str(args.lag), *(["--share-prompts"] if args.share_prompts else []),
     ]  # fmt: skip
     others, waited = others_now(), 0.0
     while others > args.quiet and waited < args.max_wait:  # let a neighbour's burst pass
