@@ -595,6 +595,28 @@ def test_an_idle_server_gathers_a_burst_into_one_prefill(tiny):
         server.close()
 
 
+def test_a_push_during_the_gather_window_does_not_start_the_burst_early(tiny):
+    """A weight push wakes an idle server; it applies the push and keeps gathering, so the
+    requests that arrive after it still start in the same prefill as those before."""
+    model, variables, _, _ = tiny
+    server = gated_with(tiny, gather_s=60.0)
+    try:
+        first = [server.submit(p, 3, seed=s) for s, p in enumerate((P1, P2))]
+        assert server.reload(variables, 1, wait=False).result(timeout=60) == 1
+        threading.Event().wait(0.3)  # the push has landed; the window is still open
+        assert server.counters().prefills == 0 and server.parked == 0
+        rest = [server.submit(p, 3, seed=2 + s) for s, p in enumerate((P3, P1))]
+        wait_for(lambda: server.parked == 1, what="the burst to start")
+        counters = server.counters()
+        assert (counters.prefills, counters.joined, counters.reloads) == (1, 4, 1)
+        server.permits.release(100)
+        for future in (*first, *rest):
+            assert future.result(timeout=120).version == 1
+    finally:
+        server.permits.release(10_000)
+        server.close()
+
+
 def test_draws_of_one_prompt_that_join_together_share_its_prefill(tiny):
     """A group's draws joining in one prefill run their prompt through the decoder once;
     each still draws from its own seed exactly what it draws alone, checked against the

@@ -550,9 +550,11 @@ class Server:
             reloads = list(self._reloads)
             self._reloads.clear()
             # Joining requests take their rows now, so a failure from here on finds them.
-            # A busy server lets them join once join_rows rows are free (or all wait).
+            # A busy server lets them join once join_rows rows are free (or all wait); an
+            # idle one once they are gathered: a push that wakes it mid-window must not
+            # start the few that have arrived and leave the rest to join mid-flight.
             joining = []
-            if not busy or len(free) >= self._join_target():
+            if self._gathered(len(free)) if not busy else len(free) >= self._join_target():
                 for r in free[: len(self._waiting)]:
                     self._rows[r] = self._waiting.popleft()
                     joining.append(r)
