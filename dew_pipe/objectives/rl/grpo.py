@@ -25,6 +25,12 @@ batch has a row with more than ``K`` sampled ids runs whole rows instead (both a
 ``lax.cond`` picks one per step), and its metric ``response_columns_overflow`` is 1. Either
 way the loss is the same, up to float rounding.
 
+Rows packed with ``share_prompts=True`` carry ``text_prefix_segments``: a group's prompt is
+written once and each completion reads its keys from there. The model gets the column as
+``prefix_segments=`` (a custom model passed here must accept it, as `CausalTransformer`
+does); every sampled id is scored from the same context as in a plain row
+(``tests/test_shared_prompts.py``).
+
 Validation (``evaluate``) scores prompt perplexity: the mean negative log-likelihood of
 the raw model over real next-token transitions that the sampler did not draw, in packed
 batches (prompts and observations) and in prompt batches (``prompt``/``prompt_length``,
