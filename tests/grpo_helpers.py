@@ -16,9 +16,28 @@ from dew_pipe.objectives.rl.sessions import Call, Session
 VOCAB = 13
 WIDTH = 16
 
+# Options under which the loss reads log-probabilities in every way it can: a KL term, an
+# asymmetric clip, an importance band, a sampling temperature, the proximal pass in step.
+OPTIONS = dict(
+    beta=0.05,
+    epsilon_high=0.28,
+    behavior_importance=(0.7, 1.4),
+    sampling_temperature=0.8,
+    proximal_in_step=True,
+)
+# options that pool over a chain read the per-token log-probabilities through the masks
+CHAIN = dict(
+    policy_loss="gspo",
+    dual_clip=None,
+    aggregation="session-mean",
+    sequence_mask=(0.3, 3.0),
+    geometric_mask=(0.7, 1.4),
+)
 
-def tiny_decoder(num_layers: int = 1):
-    """The project's decoder at test size (one layer unless asked, 13 ids, 16 positions)."""
+
+def tiny_decoder(num_layers: int = 1, max_seq_len: int = WIDTH):
+    """The project's decoder at test size (one layer unless asked, 13 ids, 16 positions
+    unless asked)."""
     return models.build(
         "causal_transformer",
         vocab_size=VOCAB,
@@ -26,7 +45,7 @@ def tiny_decoder(num_layers: int = 1):
         num_layers=num_layers,
         num_heads=2,
         mlp_features=32,
-        max_seq_len=WIDTH,
+        max_seq_len=max_seq_len,
     )
 
 

@@ -13,7 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from grpo_helpers import VOCAB, WIDTH, multi_call_sessions, perturbed, single_call_sessions
+from grpo_helpers import (
+    CHAIN,
+    OPTIONS,
+    VOCAB,
+    WIDTH,
+    multi_call_sessions,
+    perturbed,
+    single_call_sessions,
+)
 from grpo_helpers import loss_and_grads as run
 from grpo_helpers import tiny_decoder as decoder
 
@@ -21,21 +29,6 @@ from dew_pipe.objectives.rl import GRPOObjective, PPOObjective, ValueHead
 from dew_pipe.objectives.rl.packing import pack
 
 SEQ = WIDTH - 1
-OPTIONS = dict(
-    beta=0.05,
-    epsilon_high=0.28,
-    behavior_importance=(0.7, 1.4),
-    sampling_temperature=0.8,
-    proximal_in_step=True,
-)
-# options that pool over a chain read the per-token log-probabilities through the masks
-CHAIN = dict(
-    policy_loss="gspo",
-    dual_clip=None,
-    aggregation="session-mean",
-    sequence_mask=(0.3, 3.0),
-    geometric_mask=(0.7, 1.4),
-)
 
 
 @pytest.fixture(scope="module")

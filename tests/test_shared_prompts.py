@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from grpo_helpers import VOCAB, draw, perturbed
+from grpo_helpers import CHAIN, OPTIONS, VOCAB, draw, perturbed, tiny_decoder
 from grpo_helpers import loss_and_grads as run
 
-from dew_pipe import models
 from dew_pipe.batches import packed_from_arrow, validate_packed
 from dew_pipe.objectives.rl import GRPOObjective, SampledRollout
 from dew_pipe.objectives.rl.critic import packed_values
@@ -31,15 +30,7 @@ SHARED = 24  # a prompt and several completions
 
 
 def decoder(num_layers: int = 1):
-    return models.build(
-        "causal_transformer",
-        vocab_size=VOCAB,
-        emb_features=16,
-        num_layers=num_layers,
-        num_heads=2,
-        mlp_features=32,
-        max_seq_len=SHARED,
-    )
+    return tiny_decoder(num_layers, max_seq_len=SHARED)
 
 
 def group_sessions(seed: int, tasks: int = 3, samples: int = 4, *, support: bool = False):
@@ -133,27 +124,19 @@ def test_what_does_not_share_stays_plain():
     other = Call([3, 4, 9], [7], [-0.2], "stop", 0)
     one = Call([3], [7, 8], [-0.2, -0.3], "stop", 0)
     two_chains = [Call([3, 4, 5], [6], [-0.1], "stop", 0), Call([8, 8], [6], [-0.1], "stop", 0)]
+    pairs = {  # (task, group, calls) of two sessions, sample 0 and sample 1
+        "other task": ((0, 0, [a]), (1, 0, [b])),
+        "other group": ((0, 0, [a]), (0, 1, [b])),
+        "other prompt": ((0, 0, [a]), (0, 0, [other])),
+        "a one-id prompt": ((0, 0, [one]), (0, 0, [one])),
+        "two chains": ((0, 0, two_chains), (0, 0, [b])),
+    }
     cases = {
-        "other task": [
-            Session(0, 0, 0, 0, [a], "COMPLETED", 1.0),
-            Session(1, 0, 0, 0, [b], "COMPLETED", 0.0),
-        ],
-        "other group": [
-            Session(0, 0, 0, 0, [a], "COMPLETED", 1.0),
-            Session(0, 1, 0, 0, [b], "COMPLETED", 0.0),
-        ],
-        "other prompt": [
-            Session(0, 0, 0, 0, [a], "COMPLETED", 1.0),
-            Session(0, 0, 1, 0, [other], "COMPLETED", 0.0),
-        ],
-        "a one-id prompt": [
-            Session(0, 0, 0, 0, [one], "COMPLETED", 1.0),
-            Session(0, 0, 1, 0, [one], "COMPLETED", 0.0),
-        ],
-        "two chains": [
-            Session(0, 0, 0, 0, two_chains, "COMPLETED", 1.0),
-            Session(0, 0, 1, 0, [b], "COMPLETED", 0.0),
-        ],
+        name: [
+            Session(task, group, sample, 0, calls, "COMPLETED", float(sample))
+            for sample, (task, group, calls) in enumerate(pair)
+        ]
+        for name, pair in pairs.items()
     }
     for name, sessions in cases.items():
         batch = pack(sessions, 16, share_prompts=True)
@@ -222,22 +205,6 @@ def test_share_prompts_must_be_a_bool():
 
 
 # ------------------------------------------------------------------------ the loss
-
-
-OPTIONS = dict(
-    beta=0.05,
-    epsilon_high=0.28,
-    behavior_importance=(0.7, 1.4),
-    sampling_temperature=0.8,
-    proximal_in_step=True,
-)
-CHAIN = dict(
-    policy_loss="gspo",
-    dual_clip=None,
-    aggregation="session-mean",
-    sequence_mask=(0.3, 3.0),
-    geometric_mask=(0.7, 1.4),
-)
 
 
 def assert_same(ours, theirs):
