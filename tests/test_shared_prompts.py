@@ -322,6 +322,10 @@ def test_a_wrong_prefix_segment_is_named(setup):
     pad = int(np.flatnonzero(segments[r] == 0)[0]) if (segments[r] == 0).any() else None
     cases = [
         (bad(batch, r, c, -1), "holds -1 at row"),
+        (
+            bad(batch, r, c, SHARED + 5),
+            f"expected 0 or the segment of a shared prompt, in [0, {SHARED})",
+        ),
         (bad(batch, r, c, int(segments[r, c])), "names the id's own segment"),
         (
             bad(batch, r, c, int(segments[r].max()) + 1),

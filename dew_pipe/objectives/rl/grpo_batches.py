@@ -186,11 +186,12 @@ def _check_prefix_segments(shared: np.ndarray, segments: np.ndarray) -> None:
     id's own segment starts, and is not padding; every id of a segment names the same."""
     if not shared.any():
         return
-    if shared.min() < 0:
-        r, c = _first(shared < 0)
+    width = segments.shape[1]
+    if shared.min() < 0 or shared.max() >= width:
+        r, c = _first((shared < 0) | (shared >= width))
         raise ValueError(
             f"batch field 'text_prefix_segments' holds {shared[r, c]} at row {r}, column {c}; "
-            "expected 0 or the segment of a shared prompt"
+            f"expected 0 or the segment of a shared prompt, in [0, {width})"
         )
     on = shared > 0
     if (on & (segments == 0)).any():
@@ -205,7 +206,6 @@ def _check_prefix_segments(shared: np.ndarray, segments: np.ndarray) -> None:
             f"batch field 'text_prefix_segments' at row {r}, column {c} names the id's own "
             f"segment {shared[r, c]}; expected the segment of an earlier shared prompt"
         )
-    width = segments.shape[1]
     columns = np.arange(width)
     for r in np.flatnonzero(on.any(axis=1)).tolist():
         row, named = segments[r], shared[r]
