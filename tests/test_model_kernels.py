@@ -1,6 +1,7 @@
 """Hand-written backward passes of the decoder against autodiff and NumPy references.
 
-Covers `self_attend` (blocked causal attention), `head_cross_entropy` (fused LM head and
+Covers `self_attend` (blocked causal attention), `attend_step` (a decode step against a
+head-major cache), `head_cross_entropy` (fused LM head and
 softmax cross-entropy), the SwiGLU MLP's backward, the unrolled layer loop against the
 layer scan, and LMObjective's fused loss against the plain-logits loss.
 """
@@ -137,6 +138,60 @@ def test_self_attend_rejects_blocks_that_do_not_divide():
         ValueError, match="blocks is 3; expected a positive divisor of the length 16"
     ):
         self_attend(q, k, v, mask, causal=True, blocks=3)
+
+
+def _step_inputs(dtype):
+    """One query per row over a cache of S slots (some masked, row 1 all but the new one),
+    the cache head-major for `attend_step` and slot-major for `attend`."""
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.normal(size=(B, 1, H, D)) * D**-0.5, dtype)
+    k, v = (jnp.asarray(rng.normal(size=(B, S, K, D)), dtype) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(B, 1, K, D)), dtype) for _ in range(2))
+    old = rng.random((B, 1, S)) < 0.6
+    old[1] = False  # a row with nothing cached attends to its own entry alone
+    new = np.ones((B, 1, 1), bool)
+    return q, (k, v, jnp.asarray(old)), (k_new, v_new, jnp.asarray(new))
+
+
+def test_attend_step_matches_numpy_and_attend():
+    q, (k, v, old), (k_new, v_new, new) = _step_inputs(jnp.float32)
+    head_major = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old)
+    got = jax.jit(attention.attend_step)(q, head_major, (k_new, v_new, new))
+    assert got.shape == (B, 1, H, D) and got.dtype == jnp.float32
+    keys = np.concatenate([np.asarray(k), np.asarray(k_new)], axis=1)
+    values = np.concatenate([np.asarray(v), np.asarray(v_new)], axis=1)
+    mask = np.concatenate([np.asarray(old), np.asarray(new)], axis=2)
+    np.testing.assert_allclose(
+        np.asarray(got), _numpy_attention(q, keys, values, mask), rtol=1e-5, atol=1e-6
+    )
+    # Row 1 sees only its new entry: its output is that entry's value, per kv head.
+    np.testing.assert_allclose(
+        np.asarray(got)[1, 0], np.repeat(np.asarray(v_new)[1, 0], H // K, axis=0), atol=1e-6
+    )
+    slot_major = attention.attend(q, [(k, v, old), (k_new, v_new, new)])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(slot_major), rtol=1e-5, atol=1e-6)
+
+
+def test_attend_step_bfloat16_is_close_to_float32():
+    q, (k, v, old), new_part = _step_inputs(jnp.float32)
+    want = attention.attend_step(q, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old), new_part)
+    low = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, new_part[0], new_part[1])]
+    got = attention.attend_step(
+        low[0],
+        (jnp.swapaxes(low[1], 1, 2), jnp.swapaxes(low[2], 1, 2), old),
+        (low[3], low[4], new_part[2]),
+    )
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05)
+
+
+def test_attend_step_rejects_more_than_one_query():
+    q, (k, v, old), (k_new, v_new, new) = _step_inputs(jnp.float32)
+    two = jnp.concatenate([q, q], axis=1)
+    with pytest.raises(ValueError, match=r"one query and one new entry per row; got query"):
+        attention.attend_step(
+            two, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old), (k_new, v_new, new)
+        )
 
 
 # ---------------------------------------------------------------- cross-entropy

@@ -18,6 +18,13 @@ traffic, not arithmetic. Against calling the cached model in the loop it saves, 
   call does, XLA cannot order the write after reads it does not depend on, and copies the
   whole cache every step.) The current id attends to its own key/value directly, as in the
   cached call.
+- **Cache reads.** Each layer's keys and values are kept head-major, ``[B, K, T, d]``, so
+  the attention contracts every head against its own entries with the leading axes as the
+  batch (`dew_pipe.models.attention.attend_step`). In the decoder's ``[B, T, K, d]``
+  layout the per-head contraction needs a transposed copy of the cache first, and the
+  copy-free block form the cached call uses does K times the arithmetic; at 128 rows of
+  88 slots that was most of a small model's decode step. `start` makes the head-major
+  copy once per call from ``init_cache``'s layout, `finish` turns it back.
 - **Kernel launches.** Matmuls that read the same input run as one: q, k and v on joined
   columns, gate and up likewise (joined once, with the slicing). At batch 16 each small
   matmul costs about as much to launch as to compute, and the step has three per layer
@@ -48,13 +55,25 @@ import jax.numpy as jnp
 from dew_pipe.models import attention
 from dew_pipe.models.transformer import CausalTransformer, dense, rms_norm, swiglu
 
-__all__ = ["DecodeStep", "LayerCache", "decode_step", "layer_cache", "serving_cache"]
+__all__ = [
+    "DecodeStep",
+    "LayerCache",
+    "decode_step",
+    "head_major",
+    "layer_cache",
+    "serving_cache",
+]
 
 
 class LayerCache(NamedTuple):
-    """A decoder cache split by layer (``init_cache``'s entries, one array per layer)."""
+    """A decoder cache split by layer, one head-major array per layer.
 
-    keys: tuple[jax.Array, ...]  # per layer [B, T, K, d]
+    ``init_cache``'s entries with each layer's keys and values as ``[B, K, T, d]`` (kv heads
+    before slots), so a decode step contracts each head against its own entries without
+    moving them (`dew_pipe.models.attention.attend_step`).
+    """
+
+    keys: tuple[jax.Array, ...]  # per layer [B, K, T, d]
     values: tuple[jax.Array, ...]
     positions: jax.Array  # [B, T] int32, -1 empty
 
@@ -64,18 +83,23 @@ def layer_cache(cache: dict[str, jax.Array]) -> LayerCache:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> cache = {"key": jnp.zeros((2, 1, 4, 1, 8)), "value": jnp.zeros((2, 1, 4, 1, 8)),
+        >>> cache = {"key": jnp.zeros((2, 1, 4, 3, 8)), "value": jnp.zeros((2, 1, 4, 3, 8)),
         ...          "positions": jnp.full((1, 4), -1)}
         >>> split = layer_cache(cache)
         >>> len(split.keys), split.keys[0].shape
-        (2, (1, 4, 1, 8))
+        (2, (1, 3, 4, 8))
     """
     layers = range(cache["key"].shape[0])
     return LayerCache(
-        keys=tuple(cache["key"][i] for i in layers),
-        values=tuple(cache["value"][i] for i in layers),
+        keys=tuple(head_major(cache["key"][i]) for i in layers),
+        values=tuple(head_major(cache["value"][i]) for i in layers),
         positions=cache["positions"],
     )
+
+
+def head_major(entries: jax.Array) -> jax.Array:
+    """``[B, T, K, d]`` cache entries as `LayerCache` holds them, ``[B, K, T, d]`` (a copy)."""
+    return jnp.swapaxes(entries, 1, 2)
 
 
 class DecodeStep(Protocol):
@@ -157,7 +181,7 @@ class _CachedModelStep:
 
 
 class _LayerState(NamedTuple):
-    keys: tuple[jax.Array, ...]  # per layer [B, T, K, d]
+    keys: tuple[jax.Array, ...]  # per layer [B, K, T, d]
     values: tuple[jax.Array, ...]
     positions: jax.Array  # [B, T] int32, -1 empty
     pending_keys: tuple[jax.Array, ...]  # per layer [B, K, d]: the last fed ids' entries
@@ -194,8 +218,7 @@ class _LayerSplitStep:
         if not isinstance(cache, LayerCache):
             cache = layer_cache(cache)
         batch, slots = cache.positions.shape
-        entry = cache.keys[0].shape[2:]
-        empty = tuple(jnp.zeros((batch, *entry), k.dtype) for k in cache.keys)
+        empty = tuple(jnp.zeros((batch, k.shape[1], k.shape[3]), k.dtype) for k in cache.keys)
         return _LayerState(
             keys=cache.keys,
             values=cache.values,
@@ -211,12 +234,13 @@ class _LayerSplitStep:
         rows = jnp.arange(state.positions.shape[0])
         at = state.pending_slot  # out of range (dropped) when nothing is pending
 
-        def flush(stored, pending):
-            return stored.at[rows, at].set(pending, mode="drop")
+        def flush(stored, pending):  # [B, K, T, d] at [rows, :, at] <- [B, K, d]
+            return stored.at[rows, :, at].set(pending, mode="drop")
 
         keys = tuple(map(flush, state.keys, state.pending_keys))
         values = tuple(map(flush, state.values, state.pending_values))
-        return keys, values, flush(state.positions, state.pending_position)
+        positions = state.positions.at[rows, at].set(state.pending_position, mode="drop")
+        return keys, values, positions
 
     def __call__(self, state, tokens, positions, slots, active):
         cfg = self.config
@@ -260,7 +284,11 @@ class _LayerSplitStep:
 
     def finish(self, state: _LayerState) -> dict[str, jax.Array]:
         keys, values, positions = self._flush(state)
-        return {"key": jnp.stack(keys), "value": jnp.stack(values), "positions": positions}
+        return {
+            "key": jnp.stack([jnp.swapaxes(k, 1, 2) for k in keys]),
+            "value": jnp.stack([jnp.swapaxes(v, 1, 2) for v in values]),
+            "positions": positions,
+        }
 
     def flush(self, state: _LayerState) -> LayerCache:
         return LayerCache(*self._flush(state))
@@ -306,9 +334,10 @@ def _block(
     cos, sin = context["cos"], context["sin"]
     q = attention.apply_rotary(q, cos, sin) * jnp.asarray(d**-0.5, q.dtype)
     k = attention.apply_rotary(k, cos, sin)
-    cached_k, cached_v = (c.astype(q.dtype) for c in cache)
-    parts = [(cached_k, cached_v, context["cache_mask"]), (k, v, context["mask"])]
-    out = attention.attend(q, parts).reshape(batch, length, H * d)
+    cached_k, cached_v = (c.astype(q.dtype) for c in cache)  # head-major [B, K, T, d]
+    out = attention.attend_step(
+        q, (cached_k, cached_v, context["cache_mask"]), (k, v, context["mask"])
+    ).reshape(batch, length, H * d)
     x = x + dense(out, layer["o"])
     gate_up = dense(rms_norm(x, layer["mlp_norm"], cfg.norm_eps, cfg.dtype), layer["gate_up"])
     x = x + dense(swiglu(gate_up[..., :F], gate_up[..., F:]), layer["down"])

@@ -21,6 +21,10 @@ Strategy:
   layer's cache first (batch axes must lead), which dominated a small model's CPU decode
   step; the block form reads the cache in place for K times the (tiny) score arithmetic.
   ``benchmarks/generate.py`` records the effect.
+- The compiled decode loop (`dew_pipe.inference.decoding`) goes further: it keeps its cache
+  head-major, ``[B, K, T, D]``, so `attend_step` contracts each head against its own keys
+  and values with ``(B, K)`` as the batch axes, which are already leading. That reads the
+  cache once, in place, with none of the block form's K-fold arithmetic.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["apply_rotary", "attend", "cache_mask", "causal_segment_mask", "rotary_angles"]
+__all__ = [
+    "apply_rotary",
+    "attend",
+    "attend_step",
+    "cache_mask",
+    "causal_segment_mask",
+    "rotary_angles",
+]
 
 _MASKED = -1e30
 
@@ -142,6 +153,55 @@ def attend(
         out = piece if out is None else out + piece
         offset += span
     return out.reshape(batch, length, heads, dim)
+
+
+def attend_step(
+    query: jax.Array,
+    cached: tuple[jax.Array, jax.Array, jax.Array],
+    new: tuple[jax.Array, jax.Array, jax.Array],
+) -> jax.Array:
+    """One query per row against a head-major cache and the row's own new entry.
+
+    The same result as ``attend(query, [cached, new])`` with the cache transposed to
+    ``[B, T, K, D]`` (up to float32 summation order), one softmax over both parts.
+
+    Args:
+        query: ``[B, 1, H, D]``, already scaled by ``D ** -0.5`` and rotated.
+        cached: ``(key [B, K, T, D], value [B, K, T, D], mask [B, 1, T] bool)``.
+        new: ``(key [B, 1, K, D], value [B, 1, K, D], mask [B, 1, 1] bool)``: the entry of
+            the id this step feeds.
+
+    Returns:
+        ``[B, 1, H, D]`` in the query's dtype.
+    """
+    batch, length, heads, dim = query.shape
+    key, value, mask = cached
+    new_key, new_value, new_mask = new
+    kv_heads = key.shape[1]
+    if length != 1 or new_key.shape[1] != 1:
+        raise ValueError(
+            f"attend_step takes one query and one new entry per row; got query {query.shape} "
+            f"and new key {new_key.shape}"
+        )
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    old = jnp.einsum("bkgd,bktd->bkgt", grouped, key, preferred_element_type=jnp.float32)
+    own = jnp.einsum("bkgd,bkd->bkg", grouped, new_key[:, 0], preferred_element_type=jnp.float32)
+    scores = jnp.concatenate(
+        [
+            jnp.where(mask[:, None], old, _MASKED),
+            jnp.where(new_mask[:, None], own[..., None], _MASKED),
+        ],
+        axis=-1,
+    )
+    probs = jax.nn.softmax(scores).astype(query.dtype)
+    span = key.shape[2]
+    out = jnp.einsum(
+        "bkgt,bktd->bkgd", probs[..., :span], value, preferred_element_type=jnp.float32
+    ).astype(value.dtype)
+    own_out = (
+        probs[..., span:].astype(jnp.float32) * new_value[:, 0, :, None].astype(jnp.float32)
+    ).astype(new_value.dtype)
+    return (out + own_out).reshape(batch, 1, heads, dim)
 
 
 def _scores(grouped: jax.Array, key: jax.Array) -> jax.Array:

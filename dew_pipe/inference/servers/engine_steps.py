@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew_pipe.inference.decoding import LayerCache, decode_step
+from dew_pipe.inference.decoding import LayerCache, decode_step, head_major
 from dew_pipe.inference.generation import prefill_prompts
 from dew_pipe.sampling import Sampled, Sampling, sample
 
@@ -123,10 +123,12 @@ def place(
         layers = range(len(cache.keys))
         cache = LayerCache(
             keys=tuple(
-                cache.keys[i].at[rows].set(fresh["key"][i][source], mode="drop") for i in layers
+                cache.keys[i].at[rows].set(head_major(fresh["key"][i][source]), mode="drop")
+                for i in layers
             ),
             values=tuple(
-                cache.values[i].at[rows].set(fresh["value"][i][source], mode="drop") for i in layers
+                cache.values[i].at[rows].set(head_major(fresh["value"][i][source]), mode="drop")
+                for i in layers
             ),
             positions=cache.positions.at[rows].set(fresh["positions"][source], mode="drop"),
         )
