@@ -142,7 +142,7 @@ def test_self_attend_rejects_blocks_that_do_not_divide():
 
 def _step_inputs(dtype):
     """One query per row over a cache of S slots (some masked, row 1 all but the new one),
-    the cache head-major for `attend_step` and slot-major for `attend`."""
+    in `attend`'s slot-major layout (the tests make `attend_step`'s head-major one)."""
     rng = np.random.default_rng(11)
     q = jnp.asarray(rng.normal(size=(B, 1, H, D)) * D**-0.5, dtype)
     k, v = (jnp.asarray(rng.normal(size=(B, S, K, D)), dtype) for _ in range(2))
@@ -155,7 +155,7 @@ def _step_inputs(dtype):
 
 def test_attend_step_matches_numpy_and_attend():
     q, (k, v, old), (k_new, v_new, new) = _step_inputs(jnp.float32)
-    head_major = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old)
+    head_major = (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), old)
     got = jax.jit(attention.attend_step)(q, head_major, (k_new, v_new, new))
     assert got.shape == (B, 1, H, D) and got.dtype == jnp.float32
     keys = np.concatenate([np.asarray(k), np.asarray(k_new)], axis=1)
@@ -174,11 +174,13 @@ def test_attend_step_matches_numpy_and_attend():
 
 def test_attend_step_bfloat16_is_close_to_float32():
     q, (k, v, old), new_part = _step_inputs(jnp.float32)
-    want = attention.attend_step(q, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old), new_part)
+    want = attention.attend_step(
+        q, (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), old), new_part
+    )
     low = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, new_part[0], new_part[1])]
     got = attention.attend_step(
         low[0],
-        (jnp.swapaxes(low[1], 1, 2), jnp.swapaxes(low[2], 1, 2), old),
+        (jnp.transpose(low[1], (0, 2, 3, 1)), jnp.swapaxes(low[2], 1, 2), old),
         (low[3], low[4], new_part[2]),
     )
     assert got.dtype == jnp.bfloat16
@@ -190,7 +192,7 @@ def test_attend_step_rejects_more_than_one_query():
     two = jnp.concatenate([q, q], axis=1)
     with pytest.raises(ValueError, match=r"one query and one new entry per row; got query"):
         attention.attend_step(
-            two, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), old), (k_new, v_new, new)
+            two, (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), old), (k_new, v_new, new)
         )
 
 

@@ -18,9 +18,9 @@ traffic, not arithmetic. Against calling the cached model in the loop it saves, 
   call does, XLA cannot order the write after reads it does not depend on, and copies the
   whole cache every step.) The current id attends to its own key/value directly, as in the
   cached call.
-- **Cache reads.** Each layer's keys and values are kept head-major, ``[B, K, T, d]``, so
-  the attention contracts every head against its own entries with the leading axes as the
-  batch (`dew_pipe.models.attention.attend_step`). In the decoder's ``[B, T, K, d]``
+- **Cache reads.** Each layer's keys and values are kept head-major, keys ``[B, K, d, T]``
+  and values ``[B, K, T, d]``, so the attention contracts every head against its own
+  entries with the leading axes as the batch (`dew_pipe.models.attention.attend_step`). In the decoder's ``[B, T, K, d]``
   layout the per-head contraction needs a transposed copy of the cache first, and the
   copy-free block form the cached call uses does K times the arithmetic; at 128 rows of
   88 slots that was most of a small model's decode step. `start` makes the head-major
@@ -68,12 +68,12 @@ __all__ = [
 class LayerCache(NamedTuple):
     """A decoder cache split by layer, one head-major array per layer.
 
-    ``init_cache``'s entries with each layer's keys and values as ``[B, K, T, d]`` (kv heads
-    before slots), so a decode step contracts each head against its own entries without
-    moving them (`dew_pipe.models.attention.attend_step`).
+    ``init_cache``'s entries with each layer's keys as ``[B, K, d, T]`` and values as
+    ``[B, K, T, d]`` (kv heads first; `head_major`), so a decode step contracts each head
+    against its own entries without moving them (`dew_pipe.models.attention.attend_step`).
     """
 
-    keys: tuple[jax.Array, ...]  # per layer [B, K, T, d]
+    keys: tuple[jax.Array, ...]  # per layer [B, K, d, T]
     values: tuple[jax.Array, ...]
     positions: jax.Array  # [B, T] int32, -1 empty
 
@@ -86,20 +86,27 @@ def layer_cache(cache: dict[str, jax.Array]) -> LayerCache:
         >>> cache = {"key": jnp.zeros((2, 1, 4, 3, 8)), "value": jnp.zeros((2, 1, 4, 3, 8)),
         ...          "positions": jnp.full((1, 4), -1)}
         >>> split = layer_cache(cache)
-        >>> len(split.keys), split.keys[0].shape
-        (2, (1, 3, 4, 8))
+        >>> len(split.keys), split.keys[0].shape, split.values[0].shape
+        (2, (1, 3, 8, 4), (1, 3, 4, 8))
     """
     layers = range(cache["key"].shape[0])
+    pairs = [head_major(cache["key"][i], cache["value"][i]) for i in layers]
     return LayerCache(
-        keys=tuple(head_major(cache["key"][i]) for i in layers),
-        values=tuple(head_major(cache["value"][i]) for i in layers),
+        keys=tuple(k for k, _ in pairs),
+        values=tuple(v for _, v in pairs),
         positions=cache["positions"],
     )
 
 
-def head_major(entries: jax.Array) -> jax.Array:
-    """``[B, T, K, d]`` cache entries as `LayerCache` holds them, ``[B, K, T, d]`` (a copy)."""
-    return jnp.swapaxes(entries, 1, 2)
+def head_major(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``[B, T, K, d]`` keys and values as `LayerCache` holds them: keys
+    ``[B, K, d, T]``, values ``[B, K, T, d]`` (copies)."""
+    return jnp.transpose(keys, (0, 2, 3, 1)), jnp.swapaxes(values, 1, 2)
+
+
+def _slot_major(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`head_major` undone: ``[B, T, K, d]`` keys and values."""
+    return jnp.transpose(keys, (0, 3, 1, 2)), jnp.swapaxes(values, 1, 2)
 
 
 class DecodeStep(Protocol):
@@ -181,8 +188,8 @@ class _CachedModelStep:
 
 
 class _LayerState(NamedTuple):
-    keys: tuple[jax.Array, ...]  # per layer [B, K, T, d]
-    values: tuple[jax.Array, ...]
+    keys: tuple[jax.Array, ...]  # per layer [B, K, d, T]
+    values: tuple[jax.Array, ...]  # per layer [B, K, T, d]
     positions: jax.Array  # [B, T] int32, -1 empty
     pending_keys: tuple[jax.Array, ...]  # per layer [B, K, d]: the last fed ids' entries
     pending_values: tuple[jax.Array, ...]
@@ -218,13 +225,14 @@ class _LayerSplitStep:
         if not isinstance(cache, LayerCache):
             cache = layer_cache(cache)
         batch, slots = cache.positions.shape
-        empty = tuple(jnp.zeros((batch, k.shape[1], k.shape[3]), k.dtype) for k in cache.keys)
         return _LayerState(
             keys=cache.keys,
             values=cache.values,
             positions=cache.positions,
-            pending_keys=empty,
-            pending_values=empty,
+            pending_keys=tuple(jnp.zeros(k.shape[:3], k.dtype) for k in cache.keys),
+            pending_values=tuple(
+                jnp.zeros((batch, v.shape[1], v.shape[3]), v.dtype) for v in cache.values
+            ),
             pending_position=jnp.full((batch,), -1, jnp.int32),
             pending_slot=jnp.full((batch,), slots, jnp.int32),
         )
@@ -234,11 +242,16 @@ class _LayerSplitStep:
         rows = jnp.arange(state.positions.shape[0])
         at = state.pending_slot  # out of range (dropped) when nothing is pending
 
-        def flush(stored, pending):  # [B, K, T, d] at [rows, :, at] <- [B, K, d]
-            return stored.at[rows, :, at].set(pending, mode="drop")
-
-        keys = tuple(map(flush, state.keys, state.pending_keys))
-        values = tuple(map(flush, state.values, state.pending_values))
+        # Each pending entry [B, K, d] lands in its row's slot: keys [B, K, d, T] along the
+        # last axis, values [B, K, T, d] along the third.
+        keys = tuple(
+            stored.at[rows, :, :, at].set(pending, mode="drop")
+            for stored, pending in zip(state.keys, state.pending_keys, strict=True)
+        )
+        values = tuple(
+            stored.at[rows, :, at].set(pending, mode="drop")
+            for stored, pending in zip(state.values, state.pending_values, strict=True)
+        )
         positions = state.positions.at[rows, at].set(state.pending_position, mode="drop")
         return keys, values, positions
 
@@ -284,9 +297,10 @@ class _LayerSplitStep:
 
     def finish(self, state: _LayerState) -> dict[str, jax.Array]:
         keys, values, positions = self._flush(state)
+        pairs = [_slot_major(k, v) for k, v in zip(keys, values, strict=True)]
         return {
-            "key": jnp.stack([jnp.swapaxes(k, 1, 2) for k in keys]),
-            "value": jnp.stack([jnp.swapaxes(v, 1, 2) for v in values]),
+            "key": jnp.stack([k for k, _ in pairs]),
+            "value": jnp.stack([v for _, v in pairs]),
             "positions": positions,
         }
 
@@ -334,7 +348,7 @@ def _block(
     cos, sin = context["cos"], context["sin"]
     q = attention.apply_rotary(q, cos, sin) * jnp.asarray(d**-0.5, q.dtype)
     k = attention.apply_rotary(k, cos, sin)
-    cached_k, cached_v = (c.astype(q.dtype) for c in cache)  # head-major [B, K, T, d]
+    cached_k, cached_v = (c.astype(q.dtype) for c in cache)  # [B, K, d, T], [B, K, T, d]
     out = attention.attend_step(
         q, (cached_k, cached_v, context["cache_mask"]), (k, v, context["mask"])
     ).reshape(batch, length, H * d)

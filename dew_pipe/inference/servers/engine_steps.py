@@ -120,15 +120,18 @@ def place(
     (``[J]`` int32 each; an out-of-range row marks a padding entry, which writes nothing).
     Returns the cache and each entry's logits ``[J, V]``."""
     if isinstance(cache, LayerCache):  # one scatter per layer into its own array
-        layers = range(len(cache.keys))
+        pairs = [
+            head_major(fresh["key"][i][source], fresh["value"][i][source])
+            for i in range(len(cache.keys))
+        ]
         cache = LayerCache(
             keys=tuple(
-                cache.keys[i].at[rows].set(head_major(fresh["key"][i][source]), mode="drop")
-                for i in layers
+                stored.at[rows].set(k, mode="drop")
+                for stored, (k, _) in zip(cache.keys, pairs, strict=True)
             ),
             values=tuple(
-                cache.values[i].at[rows].set(head_major(fresh["value"][i][source]), mode="drop")
-                for i in layers
+                stored.at[rows].set(v, mode="drop")
+                for stored, (_, v) in zip(cache.values, pairs, strict=True)
             ),
             positions=cache.positions.at[rows].set(fresh["positions"][source], mode="drop"),
         )
