@@ -43,7 +43,7 @@ and a few mistakes it makes with near certainty fill them with identical wrong r
 The curriculum rests the solved problems, the cut trains only on groups that disagree, and
 the guide puts the task's reference answer into a group whose eight replies are the same
 wrong one. With the three, the default hands over at half the training problems solved and
-GRPO takes held-out exact match from about 60% to 97-98% on seeds 0-4
+GRPO takes held-out exact match from about 60% to 96-99% on seeds 0-4
 (``benchmarks/RESULTS.md`` records each seed's run and how long it took).
 
 Two settings keep that short and robust. The curriculum can rest a solved problem only

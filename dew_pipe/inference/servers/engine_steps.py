@@ -1,7 +1,8 @@
 """The compiled halves of the continuous-batching `Server`: join rows, advance rows, reload.
 
-The server keeps ``S`` rows of decoder cache (``C`` slots each; one array per layer, a
-`dew_pipe.inference.decoding.LayerCache`, for the decoder's layer-split step) and a `Slots`
+The server keeps ``S`` rows of decoder cache (``C`` slots each; for the decoder's
+layer-split step one head-major array per layer, a `dew_pipe.inference.decoding.LayerCache`,
+kept between calls so no call copies it into another layout) and a `Slots`
 record of every row's decoding state on the device. Compiled functions change them, each
 donating the cache or the slots it rewrites so XLA updates them in place:
 
@@ -9,9 +10,10 @@ donating the cache or the slots it rewrites so XLA updates them in place:
   runs the ``U`` distinct prompts among them, left padded ``[U, P]``, through the decoder
   into a fresh ``[U, C]`` cache (real ids at slots ``0 .. n - 1``, padding dropped, as
   `dew_pipe.inference.generate` packs them) and the logits after each: one compile per
-  (U bucket, P bucket). `place` copies each request's prompt cache into its row (one light
-  compile per (J bucket, U bucket)), and `begin` samples each request's first id from its
-  prompt's logits and sets its row's state (one compile per J bucket). A GRPO group's
+  (U bucket, P bucket). `place` copies each request's prompt cache into its row, in the
+  row cache's layout (one light compile per (J bucket, U bucket)), and `begin` samples
+  each request's first id from its prompt's logits and sets its row's state (one compile
+  per J bucket). A GRPO group's
   ``G`` draws of one prompt that join together so share one prefill. Rows not named are
   untouched, so the running batch is not disturbed.
 - `advance` runs up to ``steps`` decode steps over all rows in a ``lax.while_loop``
