@@ -77,6 +77,50 @@ def test_draws_match_an_uncached_reference_and_the_in_process_server(child, tiny
     assert isinstance(counters, ServerCounters) and counters.finished >= len(PROMPTS)
 
 
+def test_submit_many_equals_submit_on_each_and_checks_every_entry(child):
+    seeds = list(range(40, 40 + len(PROMPTS)))
+    one_by_one = [child.submit(p, 5, seed=s) for p, s in zip(PROMPTS, seeds, strict=True)]
+    together = child.submit_many(PROMPTS, 5, seeds=seeds)
+    assert len(together) == len(PROMPTS)
+    for single, batched in zip(one_by_one, together, strict=True):
+        a, b = single.result(timeout=120), batched.result(timeout=120)
+        assert a.sampled_ids.tolist() == b.sampled_ids.tolist()
+        # Rows prefilled in other company sum in another order: float rounding apart.
+        np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
+        assert b.seed == a.seed
+    # A prompt the child cannot serve fails its own future; the rest are drawn.
+    mixed = child.submit_many([PROMPTS[0], list(range(1, 21)), PROMPTS[1]], 6, seeds=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"needs 25 cache positions.*capacity is 24"):
+        mixed[1].result(timeout=120)
+    assert [f.result(timeout=120).sampled_ids.size for f in (mixed[0], mixed[2])] == [6, 6]
+    before = child.counters().finished
+    with pytest.raises(TypeError, match=r"prompts\[1\]: prompt_ids has dtype float"):
+        child.submit_many([[1, 2], [1.5, 2.0]], 2)
+    with pytest.raises(ValueError, match=r"seeds has 1 entries for 2 prompts"):
+        child.submit_many([[1, 2], [3]], 2, seeds=[0])
+    with pytest.raises(ValueError, match=r"seeds\[1\]: seed is -1"):
+        child.submit_many([[1, 2], [3]], 2, seeds=[0, -1])
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        child.submit_many([[1, 2]], 0)
+    assert child.submit_many([], 3) == []
+    assert child.counters().finished == before  # nothing was sent
+
+
+def test_submit_many_past_the_childs_room_goes_in_parts(tiny):
+    model, variables, _, _ = tiny
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(11)]
+    with ProcessRolloutServer(
+        ServeTask(model, variables, SAMPLING), queue=2, **OPTIONS
+    ) as server:  # room for 2 + 4 unfinished draws
+        futures = server.submit_many(prompts, 4, seeds=list(range(11)))
+        draws = [f.result(timeout=120) for f in futures]
+        alone = [server.submit(prompts[i], 4, seed=i).result(timeout=120) for i in (0, 7, 10)]
+    assert [d.prompt_ids.tolist() for d in draws] == prompts
+    assert [draws[i].sampled_ids.tolist() for i in (0, 7, 10)] == [
+        d.sampled_ids.tolist() for d in alone
+    ]
+
+
 def test_the_child_runs_on_the_cores_and_environment_it_was_given(child):
     assert child.info["pid"] == child.pid != os.getpid()
     assert os.sched_getaffinity(child.pid) == {0} and child.info["cpus"] == [0]

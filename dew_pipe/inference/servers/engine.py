@@ -50,6 +50,7 @@ from dew_pipe.inference.servers.engine_records import Reload, Request, ServerCou
 from dew_pipe.inference.servers.engine_setup import (
     SEED_LIMIT,
     ServeTask,
+    batch_requests,
     bucket,
     check_options,
     check_tree,
@@ -333,27 +334,7 @@ class Server:
             >>> [f.result().sampled_ids for f in futures]   # doctest: +SKIP
         """
         budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
-        arrays = []
-        for i, ids in enumerate(prompts):
-            try:
-                arrays.append(prompt_array(ids))
-            except TypeError as error:
-                raise TypeError(f"prompts[{i}]: {error}") from None
-        if seeds is None:
-            checked: list[int | None] = [None] * len(arrays)
-        else:
-            seeds = list(seeds)
-            if len(seeds) != len(arrays):
-                raise ValueError(
-                    f"seeds has {len(seeds)} entries for {len(arrays)} prompts; expected one "
-                    "per prompt (or seeds=None)"
-                )
-            checked = []
-            for i, seed in enumerate(seeds):
-                try:
-                    checked.append(request_seed(seed))
-                except ValueError as error:
-                    raise ValueError(f"seeds[{i}]: {error}") from None
+        arrays, checked = batch_requests(prompts, seeds)
         return self._enqueue(arrays, budget, checked)
 
     def _enqueue(

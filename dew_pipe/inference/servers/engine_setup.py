@@ -244,6 +244,34 @@ def prompt_array(prompt_ids: Any) -> np.ndarray:
     return array.astype(np.int32)
 
 
+def batch_requests(
+    prompts: Sequence[Any], seeds: Sequence[int | None] | None
+) -> tuple[list[np.ndarray], list[int | None]]:
+    """``submit_many``'s prompts as int32 arrays and its seeds checked, each error naming
+    its index (``prompts[i]``, ``seeds[i]``); ``seeds=None`` gives None for every prompt."""
+    arrays = []
+    for i, ids in enumerate(prompts):
+        try:
+            arrays.append(prompt_array(ids))
+        except TypeError as error:
+            raise TypeError(f"prompts[{i}]: {error}") from None
+    if seeds is None:
+        return arrays, [None] * len(arrays)
+    seeds = list(seeds)
+    if len(seeds) != len(arrays):
+        raise ValueError(
+            f"seeds has {len(seeds)} entries for {len(arrays)} prompts; expected one "
+            "per prompt (or seeds=None)"
+        )
+    checked: list[int | None] = []
+    for i, seed in enumerate(seeds):
+        try:
+            checked.append(request_seed(seed))
+        except ValueError as error:
+            raise ValueError(f"seeds[{i}]: {error}") from None
+    return arrays, checked
+
+
 def prompt_problem(prompt: np.ndarray, budget: int, vocab: int, capacity: int) -> str | None:
     """Why a prompt cannot be served with ``budget`` new ids, or None when it can."""
     if prompt.ndim != 1 or prompt.size == 0:

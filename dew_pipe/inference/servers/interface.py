@@ -16,7 +16,8 @@ counted from; `Draw.submitted_version` is the version served when it was submitt
 
 A backend may also offer ``submit_many(prompts, max_new_tokens, seeds=...)``, a list of
 futures equal to ``submit`` on each prompt in order, queued together (`NativeRolloutServer`
-does); `dew_pipe.inference.PromptSource` uses it when it is there.
+and `ProcessRolloutServer` do; the latter sends the batch as one message);
+`dew_pipe.inference.PromptSource` uses it when it is there.
 
 To stop a draw, cancel its future (``future.cancel()``): a server drops it from its queue,
 or stops it at its next step, and the future stays cancelled.

@@ -9,7 +9,9 @@ optionally pinned to chosen cores (``cpus``) or given its own accelerator (``env
 deployment. It answers the same `RolloutServer` requests:
 
 - ``submit`` checks its arguments here, sends the request and returns a future at once; a
-  reader thread resolves it with the `Draw` the child sends back.
+  reader thread resolves it with the `Draw` the child sends back. ``submit_many`` sends a
+  whole batch as one message (the child queues it with `Server.submit_many`), and the
+  child sends the draws that finish together as one message too.
 - ``load`` copies the variables to host memory and sends them ahead of any later
   request, then returns a future the child resolves once its server has applied them
   between two decode steps (`Server.reload`); ``version`` moves at once, and draws
@@ -17,7 +19,7 @@ deployment. It answers the same `RolloutServer` requests:
 - ``future.cancel()`` stops the draw in the child (its queue entry or row is released).
 
 Costs: each push pickles the whole tree (a few milliseconds for a few MB of float32), and
-each draw crosses the socket once when it finishes. Errors keep their type where they can
+each draw crosses the socket once when it finishes (batched with the others ready then). Errors keep their type where they can
 be pickled (a bad prompt fails the future with ValueError, as in `Server`). If the child
 dies, every unfinished future and any call waiting on it fail with RuntimeError, and so does
 every later request.
@@ -45,6 +47,7 @@ from dew_pipe._validate import check_int
 from dew_pipe.inference.servers.engine_records import ServerCounters
 from dew_pipe.inference.servers.engine_setup import (
     ServeTask,
+    batch_requests,
     check_tree,
     from_task_arguments,
     prompt_array,
@@ -321,20 +324,68 @@ class ProcessRolloutServer:
         seed = request_seed(seed)
         future: Future[Draw] = Future()
         with self._cond:
-            self._check_open()
-            while len(self._pending) >= self._queue + self._slots:
-                if threading.current_thread() is self._reader:
-                    raise RuntimeError(
-                        "the rollout server's queue is full and submit was called from a "
-                        "draw's callback, which cannot wait for the queue to drain"
-                    )
-                self._cond.wait()
-                self._check_open()
+            self._wait_for_room("submit")
             rid = next(self._ids)
             self._pending[rid] = future
         future.add_done_callback(lambda done: self._on_done(rid, done))
         self._send(("submit", rid, prompt, budget, seed))
         return future
+
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        max_new_tokens: int,
+        *,
+        seeds: Sequence[int | None] | None = None,
+    ) -> list[Future[Draw]]:
+        """Queues several draws in the child; the same as `submit` on each in order.
+
+        The batch crosses the socket as one message and the child queues it with
+        `Server.submit_many`, so an idle child sees it whole. Blocks while the child has
+        no room (``queue + slots`` unfinished draws), sending the batch in parts as room
+        frees.
+
+        Args:
+            prompts: the prompts, each 1-D integer ids.
+            max_new_tokens: the budget of every draw (>= 1).
+            seeds: one per prompt (entries ``[0, 2**32)`` or None); None: every draw takes
+                the next seed of the child server's stream.
+
+        Returns:
+            One future `Draw` per prompt, in order; each fails as `submit`'s would.
+
+        Raises:
+            TypeError / ValueError: a bad budget, a prompt of a non-integer dtype, a bad
+                seed, or ``seeds`` of another length (named by index); nothing is sent
+                then.
+            RuntimeError: the server is closed or its process died; or the child has no
+                room and this was called from a draw's callback.
+        """
+        budget = check_int("max_new_tokens", max_new_tokens, minimum=1)
+        arrays, checked = batch_requests(prompts, seeds)
+        futures: list[Future[Draw]] = []
+        start = 0
+        while start < len(arrays):
+            with self._cond:
+                room = self._wait_for_room("submit_many")
+                part = range(start, min(len(arrays), start + room))
+                rids = [next(self._ids) for _ in part]
+                batch = [Future() for _ in part]
+                self._pending.update(zip(rids, batch, strict=True))
+            for rid, future in zip(rids, batch, strict=True):
+                future.add_done_callback(lambda done, rid=rid: self._on_done(rid, done))
+            self._send(
+                (
+                    "submit_many",
+                    rids,
+                    [arrays[i] for i in part],
+                    budget,
+                    [checked[i] for i in part],
+                )
+            )
+            futures.extend(batch)
+            start = part.stop
+        return futures
 
     def load(self, variables: Any, version: int) -> Future[int]:
         """Serves ``variables`` as ``version`` from the child's next decode step on.
@@ -399,6 +450,20 @@ class ProcessRolloutServer:
         if self._closing:
             raise RuntimeError("the rollout server is closed")
 
+    def _wait_for_room(self, caller: str) -> int:
+        """Under ``_cond``: waits while the child holds ``queue + slots`` unfinished draws;
+        returns how many more fit."""
+        self._check_open()
+        while len(self._pending) >= self._queue + self._slots:
+            if threading.current_thread() is self._reader:
+                raise RuntimeError(
+                    f"the rollout server's queue is full and {caller} was called from a "
+                    "draw's callback, which cannot wait for the queue to drain"
+                )
+            self._cond.wait()
+            self._check_open()
+        return self._queue + self._slots - len(self._pending)
+
     def _send(self, message: tuple, quiet: bool = False) -> None:
         with self._send_lock:
             try:
@@ -436,14 +501,17 @@ class ProcessRolloutServer:
             self._send(("cancel", rid), quiet=True)
 
     def _read(self) -> None:
-        while True:
+        closed = False
+        while not closed:
             try:
                 message = self._connection.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "closed":
-                break
-            self._deliver(message)
+            for item in message[1] if message[0] == "batch" else (message,):
+                if item[0] == "closed":
+                    closed = True
+                    break
+                self._deliver(item)
         with self._cond:
             closing = self._closing
         if not closing:

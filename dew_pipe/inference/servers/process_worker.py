@@ -10,7 +10,8 @@ Protocol (pickled tuples over `multiprocessing.connection.Connection`):
 
 parent -> child
     ``setup``: ``{"cpus": set | None, "task": bytes, "options": dict}`` (first message)
-    ``("submit", rid, prompt, budget, seed)``, ``("cancel", rid)``,
+    ``("submit", rid, prompt, budget, seed)``, ``("submit_many", rids, prompts, budget,
+    seeds)``, ``("cancel", rid)``,
     ``("load", token, variables, version)``, ``("counters", token)``, ``("close",)``
 child -> parent
     ``("ready", version, info)`` or ``("failed", error)`` after the setup;
@@ -18,6 +19,8 @@ child -> parent
     ``("cancelled", rid)``; ``("loaded", token, version)`` / ``("load_failed", token,
     error)`` once the push serves (the child reads on meanwhile: later submissions queue
     behind it); ``("counters", token, ServerCounters)``; ``("closed",)`` last.
+    After ``ready`` one thread sends them, in order; messages that are waiting together
+    travel as one ``("batch", [message, ...])`` (the draws a decode call finishes at once).
 
 The child ends when told to close or when the parent's end of the socket closes (the
 parent exited), closing its server first.
@@ -58,14 +61,32 @@ class _Worker:
     def __init__(self, connection: Connection, server: Any) -> None:
         self.connection = connection
         self.server = server
-        self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._futures: dict[int, Any] = {}
+        self._outbox: list[tuple] = []
+        self._out = threading.Condition()
+        self._sender = threading.Thread(
+            target=self._send_loop, name="dew-process-worker-sender", daemon=True
+        )
+        self._sender.start()
 
     def send(self, message: tuple) -> None:
-        # A send that fails means the parent is gone: there is nobody left to tell.
-        with self._send_lock, contextlib.suppress(OSError, EOFError, ValueError):
-            self.connection.send(message)
+        """Queues ``message`` for the parent (sent in order by the sender thread)."""
+        with self._out:
+            self._outbox.append(message)
+            self._out.notify()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._out:
+                while not self._outbox:
+                    self._out.wait()
+                messages, self._outbox = self._outbox, []
+            # A send that fails means the parent is gone: there is nobody left to tell.
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                self.connection.send(messages[0] if len(messages) == 1 else ("batch", messages))
+            if any(message[0] == "closed" for message in messages):
+                return
 
     def serve(self) -> None:
         try:
@@ -80,12 +101,16 @@ class _Worker:
         finally:
             self.server.close()  # fails unfinished draws; their callbacks reply
             self.send(("closed",))
+            self._sender.join()
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "submit":
             _, rid, prompt, budget, seed = message
             self._submit(rid, prompt, budget, seed)
+        elif kind == "submit_many":
+            _, rids, prompts, budget, seeds = message
+            self._submit_many(rids, prompts, budget, seeds)
         elif kind == "cancel":
             with self._lock:
                 future = self._futures.get(message[1])
@@ -121,6 +146,18 @@ class _Worker:
         with self._lock:
             self._futures[rid] = future
         future.add_done_callback(lambda done: self._reply(rid, done))
+
+    def _submit_many(self, rids: list[int], prompts: list, budget: int, seeds: list) -> None:
+        try:
+            futures = self.server.submit_many(prompts, budget, seeds=seeds)
+        except BaseException as error:  # noqa: BLE001 - the server is closed or failed
+            for rid in rids:
+                self.send(("draw_failed", rid, portable(error)))
+            return
+        with self._lock:
+            self._futures.update(zip(rids, futures, strict=True))
+        for rid, future in zip(rids, futures, strict=True):
+            future.add_done_callback(lambda done, rid=rid: self._reply(rid, done))
 
     def _reply(self, rid: int, future: Any) -> None:
         with self._lock:
