@@ -20,11 +20,12 @@ traffic, not arithmetic. Against calling the cached model in the loop it saves, 
   cached call.
 - **Cache reads.** Each layer's keys and values are kept head-major, keys ``[B, K, d, T]``
   and values ``[B, K, T, d]``, so the attention contracts every head against its own
-  entries with the leading axes as the batch (`dew_pipe.models.attention.attend_step`). In the decoder's ``[B, T, K, d]``
-  layout the per-head contraction needs a transposed copy of the cache first, and the
-  copy-free block form the cached call uses does K times the arithmetic; at 128 rows of
-  88 slots that was most of a small model's decode step. `start` makes the head-major
-  copy once per call from ``init_cache``'s layout, `finish` turns it back.
+  entries with the leading axes as the batch (`dew_pipe.models.attention.attend_step`).
+  In the decoder's ``[B, T, K, d]`` layout the per-head contraction needs a transposed
+  copy of the cache first, and the copy-free block form the cached call uses does K times
+  the arithmetic; at 128 rows of 88 slots that was most of a small model's decode step.
+  `start` makes the head-major copy once per call from ``init_cache``'s layout, `finish`
+  turns it back.
 - **Kernel launches.** Matmuls that read the same input run as one: q, k and v on joined
   columns, gate and up likewise (joined once, with the slicing). At batch 16 each small
   matmul costs about as much to launch as to compute, and the step has three per layer

@@ -19,10 +19,10 @@ deployment. It answers the same `RolloutServer` requests:
 - ``future.cancel()`` stops the draw in the child (its queue entry or row is released).
 
 Costs: each push pickles the whole tree (a few milliseconds for a few MB of float32), and
-each draw crosses the socket once when it finishes (batched with the others ready then). Errors keep their type where they can
-be pickled (a bad prompt fails the future with ValueError, as in `Server`). If the child
-dies, every unfinished future and any call waiting on it fail with RuntimeError, and so does
-every later request.
+each draw crosses the socket once when it finishes (batched with the others ready then).
+Errors keep their type where they can be pickled (a bad prompt fails the future with
+ValueError, as in `Server`). If the child dies, every unfinished future and any call
+waiting on it fail with RuntimeError, and so does every later request.
 """
 
 from __future__ import annotations
