@@ -13,9 +13,8 @@ donating the cache or the slots it rewrites so XLA updates them in place:
   (U bucket, P bucket). `place` copies each request's prompt cache into its row, in the
   row cache's layout (one light compile per (J bucket, U bucket)), and `begin` samples
   each request's first id from its prompt's logits and sets its row's state (one compile
-  per J bucket). A GRPO group's
-  ``G`` draws of one prompt that join together so share one prefill. Rows not named are
-  untouched, so the running batch is not disturbed.
+  per J bucket). A GRPO group's ``G`` draws of one prompt that join together so share one
+  prefill. Rows not named are untouched, so the running batch is not disturbed.
 - `advance` runs up to ``steps`` decode steps over all rows in a ``lax.while_loop``
   (`dew_pipe.inference.decoding.decode_step`), feeding each active row's last id and
   sampling its next; a row stops on EOS or on its budget. Given ``join`` (> 0) it also
