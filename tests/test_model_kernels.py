@@ -131,6 +131,51 @@ def test_self_attend_bfloat16_is_close_to_float32():
     np.testing.assert_allclose(np.asarray(got, np.float32)[REAL], np.asarray(want)[REAL], atol=0.05)
 
 
+def test_self_attend_queries_at_some_columns_match_numpy_and_autodiff():
+    # The last block under features(columns=): the sampled columns' queries on every key.
+    q, k, v = _qkv(6)
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    columns = jnp.asarray([[2, 5, 7, 12, 14], [4, 6, 9, 13, 15]])  # padding row 14 included
+    q_cols = jnp.take_along_axis(q, columns[:, :, None, None], axis=1)
+    mask_cols = jnp.take_along_axis(mask, columns[:, :, None], axis=1)
+    got = np.asarray(jax.jit(self_attend)(q_cols, k, v, mask_cols))
+    want = _numpy_attention(q_cols, k, v, np.asarray(mask_cols))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    # The full sequence's output at those columns, as the model used to compute it.
+    full = _numpy_attention(q, k, v, np.asarray(mask))
+    real = np.take_along_axis(REAL, np.asarray(columns), axis=1)
+    np.testing.assert_allclose(
+        got[real],
+        np.take_along_axis(full, np.asarray(columns)[:, :, None, None], axis=1)[real],
+        atol=2e-6,
+        rtol=1e-5,
+    )
+
+    weight = jnp.asarray(np.random.default_rng(8).normal(size=q_cols.shape), jnp.float32)
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weight), (0, 1, 2)))(
+            q_cols, k, v
+        )
+
+    got_grads = grads(lambda q, k, v: self_attend(q, k, v, mask_cols))
+    want_grads = grads(lambda q, k, v: attention.attend(q, [(k, v, mask_cols)]))
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_self_attend_rejects_shapes_that_disagree():
+    q, k, v = _qkv(0)
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    with pytest.raises(ValueError, match=r"mask \(2, 16, 15\); expected .*\[B, S, T\]"):
+        self_attend(q, k, v, mask[:, :, :15])
+    with pytest.raises(
+        ValueError, match="causal attention needs as many keys as queries; got 16 and 5"
+    ):
+        self_attend(q[:, :5], k, v, mask[:, :5], causal=True)
+
+
 def test_self_attend_rejects_blocks_that_do_not_divide():
     q, k, v = _qkv(0)
     mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))

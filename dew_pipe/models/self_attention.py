@@ -45,11 +45,15 @@ def self_attend(
 ) -> jax.Array:
     """Masked grouped-query attention of a sequence on itself.
 
+    The queries may also be some positions of the sequence only (``S`` of its ``T``, with
+    ``causal=False``): the last block of ``features(columns=)`` reads every key for the
+    sampled columns' queries alone.
+
     Args:
         query: ``[B, S, H, D]``, already rotated and scaled by ``D ** -0.5``.
-        key: ``[B, S, K, D]`` rotated keys; ``K`` divides ``H``.
-        value: ``[B, S, K, D]``.
-        mask: ``[B, S, S]`` bool, True where query i may attend key j.
+        key: ``[B, T, K, D]`` rotated keys; ``K`` divides ``H``. ``T == S`` when causal.
+        value: ``[B, T, K, D]``.
+        mask: ``[B, S, T]`` bool, True where query i may attend key j.
         causal: promise that ``mask[:, i, j]`` is False whenever ``j > i``; then each block
             of queries skips the keys after it (``(n + 1) / 2n`` of the score entries for n
             blocks: 62.5% at four). Results are the same as without the promise for every
@@ -62,7 +66,7 @@ def self_attend(
         gets a finite average of values and passes no gradient to the scores.
 
     Raises:
-        ValueError: for ``blocks`` that do not divide ``S``.
+        ValueError: for ``blocks`` that do not divide ``S``, or shapes that disagree.
 
     Example:
         >>> q = jnp.ones((1, 3, 4, 8)); kv = jnp.ones((1, 3, 2, 8))
@@ -71,7 +75,14 @@ def self_attend(
         (1, 3, 4, 8)
     """
     batch, length, heads, dim = query.shape
-    kv_heads = key.shape[2]
+    span, kv_heads = key.shape[1:3]
+    if mask.shape != (batch, length, span) or value.shape != key.shape:
+        raise ValueError(
+            f"query {query.shape}, key {key.shape}, value {value.shape} and mask "
+            f"{mask.shape}; expected [B, S, H, D], [B, T, K, D] twice and [B, S, T]"
+        )
+    if causal and span != length:
+        raise ValueError(f"causal attention needs as many keys as queries; got {span} and {length}")
     group = heads // kv_heads
     if not causal:
         blocks = 1
@@ -88,10 +99,15 @@ def self_attend(
     return out.reshape(batch, length, heads, dim)
 
 
-def _spans(length: int, blocks: int) -> list[tuple[int, int]]:
-    """Per query block: (first position, positions of keys it can see) = (start, end)."""
+def _spans(length: int, blocks: int, keys: int) -> list[tuple[int, int, int]]:
+    """Per query block: its first query position, the one after its last, and the keys it sees.
+
+    A single block sees every key; causal blocks see the keys up to their last position.
+    """
+    if blocks == 1:
+        return [(0, length, keys)]
     size = length // blocks
-    return [(i * size, (i + 1) * size) for i in range(blocks)]
+    return [(i * size, (i + 1) * size, (i + 1) * size) for i in range(blocks)]
 
 
 def _scores(rows: jax.Array, keys: jax.Array, mask: jax.Array) -> jax.Array:
@@ -111,16 +127,16 @@ def _block(x: jax.Array, start: int, end: int, group: int) -> jax.Array:
 def _forward(rows, keys, values, mask, blocks):
     group = rows.shape[2] // mask.shape[1]
     outs, peaks, scales = [], [], []
-    for start, end in _spans(mask.shape[1], blocks):
+    for start, end, seen in _spans(mask.shape[1], blocks, keys.shape[2]):
         scores = _scores(
-            _block(rows, start, end, group), keys[:, :, :end], mask[:, start:end, :end]
+            _block(rows, start, end, group), keys[:, :, :seen], mask[:, start:end, :seen]
         )
         peak = jnp.max(scores, axis=-1, keepdims=True)
         weights = jnp.exp(scores - peak)
         scale = 1.0 / jnp.sum(weights, axis=-1, keepdims=True)
         probs = (weights * scale).astype(values.dtype)
         out = jnp.einsum(
-            "bkmt,bktd->bkmd", probs, values[:, :, :end], preferred_element_type=jnp.float32
+            "bkmt,bktd->bkmd", probs, values[:, :, :seen], preferred_element_type=jnp.float32
         )
         outs.append(out.astype(rows.dtype))
         peaks.append(peak)
@@ -149,11 +165,11 @@ def _attend_bwd(blocks, residuals, d_out):
         d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True
     )
     d_rows, d_keys, d_values = [], [], []
-    for start, end in _spans(length, blocks):
+    for start, end, seen in _spans(length, blocks, keys.shape[2]):
         block = functools.partial(_block, start=start, end=end, group=group)
         block_rows, block_d_out = block(rows), block(d_out)
-        block_keys, block_values = keys[:, :, :end], values[:, :, :end]
-        block_mask = mask[:, start:end, :end]
+        block_keys, block_values = keys[:, :, :seen], values[:, :, :seen]
+        block_mask = mask[:, start:end, :seen]
         probs = jnp.exp(_scores(block_rows, block_keys, block_mask) - block(peak)) * block(scale)
         d_probs = jnp.einsum(
             "bkmd,bktd->bkmt", block_d_out, block_values, preferred_element_type=jnp.float32

@@ -153,7 +153,7 @@ class Attention(nn.Module):
             columns = context["columns"]
             q = jnp.take_along_axis(q, columns[:, :, None, None], axis=1)
             mask = jnp.take_along_axis(context["mask"], columns[:, :, None], axis=1)
-            out = attention.attend(q, [(k, v, mask)]).reshape(*columns.shape, H * d)
+            out = self_attend(q, k, v, mask).reshape(*columns.shape, H * d)
             return dense(out, o_w), None
         if layer_cache is None:
             # The mask comes from causal_segment_mask: causal, so key blocks can be skipped.
