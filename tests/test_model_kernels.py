@@ -18,7 +18,7 @@ from dew_pipe import LMObjective, models
 from dew_pipe.models import attention
 from dew_pipe.models.cross_entropy import head_cross_entropy
 from dew_pipe.models.self_attention import self_attend
-from dew_pipe.models.transformer import swiglu
+from dew_pipe.models.transformer import dense, swiglu
 
 # ---------------------------------------------------------------- attention
 
@@ -315,6 +315,28 @@ def test_swiglu_backward_matches_autodiff():
     want = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)[1](d_out)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (6, 6)])
+def test_dense_gradients_match_numpy(shape):
+    # A narrowing float32 projection (in > out) computes its kernel gradient with the
+    # operands swapped; every orientation must give x^T g and g W^T.
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, 4, shape[0]))
+    kernel, d_out = rng.normal(size=shape), rng.normal(size=(3, 4, shape[1]))
+    out, pullback = jax.vjp(dense, jnp.asarray(x, jnp.float32), jnp.asarray(kernel, jnp.float32))
+    d_x, d_kernel = pullback(jnp.asarray(d_out, jnp.float32))
+    assert out.dtype == d_x.dtype == d_kernel.dtype == jnp.float32
+    np.testing.assert_allclose(out, x @ kernel, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_x, d_out @ kernel.T, rtol=1e-5, atol=1e-5)
+    flat_x, flat_d = x.reshape(-1, shape[0]), d_out.reshape(-1, shape[1])
+    np.testing.assert_allclose(d_kernel, flat_x.T @ flat_d, rtol=1e-5, atol=1e-5)
+    # Under jit too, where the barrier and the transpose are compiled.
+    grads = jax.jit(jax.grad(lambda x, k: jnp.sum(jnp.sin(dense(x, k))), (0, 1)))
+    want = jax.grad(lambda x, k: jnp.sum(jnp.sin(x @ k)), (0, 1))
+    args = (jnp.asarray(x, jnp.float32), jnp.asarray(kernel, jnp.float32))
+    for a, b in zip(grads(*args), want(*args), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- the decoder

@@ -66,8 +66,40 @@ def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     dtype = matmul_dtype(x.dtype, kernel.dtype)
     flat = x.reshape(-1, x.shape[-1]).astype(dtype)
-    out = jnp.dot(flat, kernel.astype(dtype), preferred_element_type=jnp.float32)
+    if dtype == jnp.float32 and kernel.shape[0] > kernel.shape[1]:
+        out = _narrowing_dot(flat, kernel.astype(dtype))
+    else:
+        out = jnp.dot(flat, kernel.astype(dtype), preferred_element_type=jnp.float32)
     return out.astype(x.dtype).reshape(*lead, kernel.shape[-1])
+
+
+@jax.custom_vjp
+def _narrowing_dot(flat: jax.Array, kernel: jax.Array) -> jax.Array:
+    """Float32 ``flat [N, in] @ kernel [in, out]`` for ``in > out``, with its own weight gradient.
+
+    The kernel's gradient ``flat^T @ d_out`` contracts the first axis of both operands,
+    which XLA's CPU backend runs on Eigen's generic kernel; with the wide ``[N, in]``
+    operand on the left (an SwiGLU down projection, in = 4 x out) that ran at half the
+    rate of the same product with the operands swapped, ``(d_out^T @ flat)^T``: 53
+    against 100 GFLOP/s at 4224 x 512 x 128 on a Zen 4 core. The barrier keeps the small
+    ``[out, in]`` result's transpose as an array of its own; without it XLA folds the
+    transpose back by swapping the operands again.
+    """
+    return jnp.dot(flat, kernel, preferred_element_type=jnp.float32)
+
+
+def _narrowing_dot_fwd(flat: jax.Array, kernel: jax.Array):
+    return _narrowing_dot(flat, kernel), (flat, kernel)
+
+
+def _narrowing_dot_bwd(residuals: tuple[jax.Array, jax.Array], d_out: jax.Array):
+    flat, kernel = residuals
+    d_flat = jnp.dot(d_out, kernel.T, preferred_element_type=jnp.float32)
+    d_kernel = jnp.einsum("no,ni->oi", d_out, flat, preferred_element_type=jnp.float32)
+    return d_flat, jax.lax.optimization_barrier(d_kernel).T
+
+
+_narrowing_dot.defvjp(_narrowing_dot_fwd, _narrowing_dot_bwd)
 
 
 @jax.custom_vjp
