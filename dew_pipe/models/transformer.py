@@ -79,7 +79,7 @@ def _narrowing_dot(flat: jax.Array, kernel: jax.Array) -> jax.Array:
 
     The kernel's gradient ``flat^T @ d_out`` contracts the first axis of both operands,
     which XLA's CPU backend runs on Eigen's generic kernel; with the wide ``[N, in]``
-    operand on the left (an SwiGLU down projection, in = 4 x out) that ran at half the
+    operand on the left (a SwiGLU down projection, in = 4 x out) that ran at half the
     rate of the same product with the operands swapped, ``(d_out^T @ flat)^T``: 53
     against 100 GFLOP/s at 4224 x 512 x 128 on a Zen 4 core. The barrier keeps the small
     ``[out, in]`` result's transpose as an array of its own; without it XLA folds the
