@@ -339,6 +339,36 @@ def test_dense_gradients_match_numpy(shape):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12)])
+def test_bfloat16_dense_gradients_are_float32_products_of_bfloat16_values(shape):
+    # bfloat16 compute with float32 weights: each product reads bfloat16 operands (the
+    # weights and the cotangent rounded first) and accumulates in float32. The output and
+    # the input gradient are rounded once to bfloat16; the weight gradient is not rounded.
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(2, 3, shape[0]))
+    kernel, d_out = rng.normal(size=shape), rng.normal(size=(2, 3, shape[1]))
+
+    def rounded(a):
+        return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(kernel, jnp.float32))
+    out, pullback = jax.vjp(dense, *args)
+    d_x, d_kernel = pullback(jnp.asarray(d_out, jnp.bfloat16))
+    assert out.dtype == d_x.dtype == jnp.bfloat16 and d_kernel.dtype == jnp.float32
+    bx, bk, bd = rounded(x), rounded(kernel), rounded(d_out)
+    for got, want in ((out, bx @ bk), (d_x, bd @ bk.T)):
+        got = np.asarray(got, np.float64)
+        np.testing.assert_allclose(got, rounded(want), rtol=2**-8, atol=1e-6)
+        assert np.abs(got - want).max() > 0  # rounded to bfloat16, not the exact product
+    flat_x, flat_d = bx.reshape(-1, shape[0]), bd.reshape(-1, shape[1])
+    np.testing.assert_allclose(d_kernel, flat_x.T @ flat_d, rtol=1e-5, atol=1e-5)
+    # Jitted, where the row-major copies and the barrier are compiled: the same values.
+    jitted = jax.jit(lambda x, k, d: jax.vjp(dense, x, k)[1](d))
+    got = jitted(*args, jnp.asarray(d_out, jnp.bfloat16))
+    for a, b in zip(got, (d_x, d_kernel), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
+
+
 # ---------------------------------------------------------------- the decoder
 
 CONFIG = dict(

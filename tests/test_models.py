@@ -313,6 +313,40 @@ def test_bfloat16_compute_is_close_to_float32(small):
     assert np.abs(np.asarray(got) - want).max() > 0  # it really ran in bfloat16
 
 
+def test_bfloat16_compute_gradients_are_close_to_float32():
+    # Mixed precision training: float32 parameters, bfloat16 products. The gradients are
+    # float32 and within bfloat16 rounding of the float32 model's; every product of the
+    # backward pass, not only of the forward, reads bfloat16 operands.
+    config = dict(SMALL, tie_embeddings=False)
+    full = models.build("causal_transformer", **config)
+    half = models.build("causal_transformer", **dict(config, dtype=jnp.bfloat16))
+    variables = _random_params(full, 3)
+    tokens = _tokens(4, (2, 12))
+
+    def loss(model):
+        def nll(variables):
+            logits = model.apply(variables, tokens[:, :-1])
+            picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)
+            return -jnp.mean(picked)
+
+        return jax.jit(jax.value_and_grad(nll))
+
+    (want_loss, want), (got_loss, got) = loss(full)(variables), loss(half)(variables)
+    assert abs(float(got_loss) - float(want_loss)) < 0.02 * abs(float(want_loss))
+    for (path, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
+        assert g.dtype == jnp.float32, path
+        error = np.linalg.norm(np.asarray(g) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
+        assert 0 < error < 0.05, (jax.tree_util.keystr(path), error)
+    lowered = loss(half).lower(variables).as_text()
+    dots = [line for line in lowered.splitlines() if "dot_general" in line and "->" in line]
+    projections = [line for line in dots if "x32x" in line or "x48x" in line]
+    # Forward and backward: 7 projections per layer and the head, three products each.
+    assert len(projections) == 3 * (2 * 7 + 1)
+    assert all("xf32>" not in line.split("->")[0] for line in projections)
+
+
 def test_bfloat16_weights_with_float32_compute_multiply_in_bfloat16(small):
     # What a CPU server runs: weights stored in bfloat16, activations in float32. Every
     # matmul must read the weights as stored (never widened to float32) and accumulate in

@@ -71,10 +71,12 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     so Hugging Face q/k projection weights load without any permutation.
     """
     half = x.shape[-1] // 2
-    cos = cos[:, :, None, :].astype(x.dtype)
-    sin = sin[:, :, None, :].astype(x.dtype)
-    first, second = x[..., :half], x[..., half:]
-    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    cos = cos[:, :, None, :].astype(jnp.float32)
+    sin = sin[:, :, None, :].astype(jnp.float32)
+    x32 = x.astype(jnp.float32)
+    first, second = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(x.dtype)
 
 
 def causal_segment_mask(
