@@ -240,6 +240,37 @@ def test_sampled_ids_record_raw_and_behavior_likelihoods(known):
     assert (packed["old_log_probs"] != packed["behavior_log_probs"]).any()
 
 
+def test_a_float32_twin_samples_for_a_bfloat16_update(known):
+    """sample_model samples (and records likelihoods) in its own precision."""
+    config = {**vars(known.model.config), "dtype": jnp.bfloat16}
+    half = models.build("causal_transformer", **config)
+    batch, key = prompt_batch([[2, 3], [5]], 3), jax.random.key(1)
+    recorded = {}
+    for name, twin in (("float32", known.model), ("bfloat16", None)):
+        rollout = SampledRollout(
+            GRPOObjective(half, seq_len=7), lambda *a: 0.0, groups=2, max_new_tokens=5,
+            sampling=GREEDY, sample_model=twin,
+        )  # fmt: skip
+        packed = rollout(state_at(known.variables, 0), batch, key)
+        rows, columns = np.nonzero(packed["response_mask"])
+        previous = packed["input_ids"][rows, columns - 1]
+        tokens = packed["input_ids"][rows, columns]
+        pairs = zip(previous, tokens, strict=True)
+        want = np.array([log_softmax(known.logits[p])[t] for p, t in pairs])
+        recorded[name] = np.abs(packed["old_log_probs"][rows, columns] - want).max()
+    assert recorded["float32"] < 2e-6  # the twin's float32 likelihoods
+    assert recorded["bfloat16"] > 1e-5  # the objective's own model rounds its activations
+
+
+def test_a_sample_model_that_is_not_a_twin_is_refused(known):
+    objective = GRPOObjective(known.model, seq_len=7)
+    wider = models.build("causal_transformer", **{**vars(known.model.config), "num_heads": 4})
+    with pytest.raises(ValueError, match=r"num_heads=4 \(the objective's model: 2\)"):
+        SampledRollout(objective, Recorder(), 2, 5, sample_model=wider)
+    with pytest.raises(TypeError, match="sample_model is a str; expected a CausalTransformer"):
+        SampledRollout(objective, Recorder(), 2, 5, sample_model="float32")
+
+
 class Listed:
     """A reward that returns the given values in call order."""
 

@@ -36,6 +36,7 @@ share of prompts that train nothing and the batch's rows; the Trainer logs them 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -143,6 +144,11 @@ class SampledRollout:
             ``max_seq_len`` must admit rows that wide). Pays off when prompts are long
             against completions (in ``benchmarks/async_vs_sync.py``, prompts of
             up to 64 ids and 24 sampled ids).
+        sample_model: the model that samples, on the trained parameters; None is the
+            objective's. The same architecture in another compute precision: a float32
+            twin of a model whose update multiplies in bfloat16, say, so sampling keeps
+            its precision while the update runs on the bfloat16 kernels. Its config may
+            differ from the objective model's in ``dtype`` alone.
 
     Attributes:
         last_sessions: the ``B * G`` one-call sessions of the last call, in packing order
@@ -152,7 +158,8 @@ class SampledRollout:
     Raises:
         TypeError: an objective without ``model``/``seq_len``, a reward or decode that is
             not callable, a ``sampling`` that is not a `Sampling`.
-        ValueError: ``groups < 2``, ``max_new_tokens < 1``, an unknown estimator or
+        ValueError: a ``sample_model`` whose config differs from the objective model's
+            in more than ``dtype``, ``groups < 2``, ``max_new_tokens < 1``, an unknown estimator or
             truncation, EOS ids outside the model's vocabulary, ``row_multiple < 1`` or
             ``row_multiple`` without ``drop_zero_advantage``, a ``guide`` with a
             ``sampling`` that has no EOS id.
@@ -203,6 +210,7 @@ class SampledRollout:
         row_multiple: int | None = None,
         guide: Callable[[str, str, str], Sequence[int] | np.ndarray | None] | None = None,
         share_prompts: bool = False,
+        sample_model: Any = None,
     ) -> None:
         model = getattr(objective, "model", None)
         seq_len = getattr(objective, "seq_len", None)
@@ -211,6 +219,9 @@ class SampledRollout:
                 f"objective is a {type(objective).__name__}; expected an objective with a "
                 "'model' to sample from and an int 'seq_len' (e.g. GRPOObjective)"
             )
+        if sample_model is not None:
+            _check_twin(sample_model, model)
+            model = sample_model
         if not callable(reward):
             raise TypeError(
                 f"reward is {reward!r}; expected reward(data_source, completion, "
@@ -588,3 +599,27 @@ def _summary(
         "groups/zero_advantage": float(1.0 - informative.mean()),
         "rows": float(session_index.shape[0]),
     }
+
+
+def _check_twin(sample_model: Any, model: Any) -> None:
+    """Refuses a ``sample_model`` that is not ``model`` in another compute dtype."""
+    twin, own = getattr(sample_model, "config", None), getattr(model, "config", None)
+    if type(sample_model) is not type(model) or type(twin) is not type(own):
+        raise TypeError(
+            f"sample_model is a {type(sample_model).__name__}; expected a "
+            f"{type(model).__name__} like the objective's model"
+        )
+    if dataclasses.is_dataclass(own) and dataclasses.replace(twin, dtype=own.dtype) != own:
+        fields = [
+            f.name
+            for f in dataclasses.fields(own)
+            if f.name != "dtype" and getattr(twin, f.name) != getattr(own, f.name)
+        ]
+        shown = ", ".join(
+            f"{name}={getattr(twin, name)!r} (the objective's model: {getattr(own, name)!r})"
+            for name in fields
+        )
+        raise ValueError(
+            f"sample_model's config differs from the objective model's in {shown}; expected "
+            "the same model in another compute dtype"
+        )
