@@ -121,6 +121,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "natively, else float32), float32 or bfloat16",
     )
     parser.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default="float32",
+        help="the update's compute precision (parameters and optimizer stay float32): "
+        "bfloat16 multiplies in bfloat16 with float32 accumulation; auto picks it where the "
+        "CPU multiplies bfloat16 natively, as --served-dtype auto does",
+    )
+    parser.add_argument(
         "--eval-prompts", type=int, default=256, help="prompts of the final held-out reward"
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW's")
@@ -325,7 +333,11 @@ def worker(args: argparse.Namespace) -> dict:
     saved = pickle.loads(Path(args.weights).read_bytes())
     width, rows = packed_shape(args)
     config = {**vars(saved["config"]), "max_seq_len": max(saved["config"].max_seq_len, width)}
+    # The sampler (the sync modes' generate, the server, the held-out draws) keeps the
+    # prelude's float32 compute whatever the update's precision (--compute-dtype).
     model = models.build("causal_transformer", **config)  # rotary: no weights per position
+    config["dtype"] = compute_dtype(args.compute_dtype)
+    trained = models.build("causal_transformer", **config)
     variables = saved["variables"]
     tokenizer = story_tokenizer()
     batches = prompt_rows(tokenizer, args)
@@ -336,7 +348,7 @@ def worker(args: argparse.Namespace) -> dict:
         batch=args.prompts,
     )
     objective = GRPOObjective(
-        model,
+        trained,
         seq_len=width - 1,
         pretrained=variables,
         behavior_importance=2.0,
@@ -362,6 +374,7 @@ def worker(args: argparse.Namespace) -> dict:
                 sampling=sampling,
                 decode=tokenizer.decode,
                 share_prompts=args.share_prompts,
+                sample_model=model,
             )
         )
         trainer = trainer_of(rollout)
@@ -374,11 +387,22 @@ def worker(args: argparse.Namespace) -> dict:
         out["rollout_s"] = statistics.median(rollout.rollout)
         out["rewards"] = rollout.rewards  # every step's batch, warm-up steps first
     else:
-        found = pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data)
+        found = pipelined(args, mode, trainer_of, objective, model, sampling, tokenizer, data)
         state = found.pop("state")
         out.update(found)
-    out["eval_reward"] = held_out_reward(args, objective.model, state.params, tokenizer)
+    out["eval_reward"] = held_out_reward(args, model, state.params, tokenizer)
     return out
+
+
+def compute_dtype(name: str):
+    """The update's compute dtype for ``--compute-dtype``."""
+    import jax.numpy as jnp
+
+    from dew_pipe.inference import served_precision
+
+    if name == "auto":
+        return jnp.dtype(served_precision("cpu"))
+    return jnp.dtype(name)
 
 
 def packed_shape(args: argparse.Namespace) -> tuple[int, int]:
@@ -434,7 +458,7 @@ def serving(args: argparse.Namespace, mode: str, model, variables, sampling):
     return ProcessRolloutServer(task, cpus=cpus, **options)
 
 
-def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> dict:
+def pipelined(args, mode, trainer_of, objective, model, sampling, tokenizer, data) -> dict:
     """The RolloutScheduler modes; returns times, CPU, waits, edges and stages."""
     import jax
 
@@ -442,7 +466,7 @@ def pipelined(args, mode, trainer_of, objective, sampling, tokenizer, data) -> d
     from dew_pipe.objectives.rl import RolloutScheduler, prompt_tasks
 
     ahead = 0 if mode == "sync-pipeline" else args.lag
-    server = serving(args, mode, objective.model, objective.pretrained, sampling)
+    server = serving(args, mode, model, objective.pretrained, sampling)
     source = PromptSource(
         server,
         reward,
@@ -525,7 +549,8 @@ def attempt(mode: str, args: argparse.Namespace, weights: Path) -> dict:
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--steps-per-call", str(args.steps_per_call), *(["--rescore"] if args.rescore else []),
         "--response-columns", str(args.response_columns),
-        "--served-dtype", args.served_dtype, "--eval-prompts", str(args.eval_prompts),
+        "--served-dtype", args.served_dtype, "--compute-dtype", args.compute_dtype,
+        "--eval-prompts", str(args.eval_prompts),
         "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
         "--lag", str(args.lag), *(["--share-prompts"] if args.share_prompts else []),
     ]  # fmt: skip
