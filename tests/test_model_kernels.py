@@ -298,6 +298,43 @@ def test_head_cross_entropy_tied_kernel_and_ties():
     np.testing.assert_array_equal(correct, np.asarray(targets) == 0)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_cross_entropy_in_bfloat16_matches_float64_on_rounded_operands(transposed):
+    # bfloat16 hidden states: the products read bfloat16 operands (hidden, kernel, and the
+    # logits' gradient) and accumulate in float32; the kernel gradient is not rounded.
+    hidden, kernel, targets = _head(3)
+    table = kernel.T if transposed else kernel
+    half = jnp.asarray(hidden, jnp.bfloat16)
+    weight = np.linspace(0.5, 1.5, N).reshape(2, N // 2)
+
+    def loss(h, w):
+        nll = head_cross_entropy(h, w, targets, transposed=transposed)[0]
+        return jnp.sum(nll * weight)
+
+    nll = head_cross_entropy(half, table, targets, transposed=transposed)[0]
+    d_hidden, d_table = jax.jit(jax.grad(loss, (0, 1)))(half, table)
+    assert d_hidden.dtype == jnp.bfloat16 and d_table.dtype == jnp.float32
+
+    def rounded(a):
+        return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+    h, w = rounded(hidden).reshape(N, F), rounded(kernel)
+    logits = h @ w
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.asarray(targets).reshape(N)
+    want_nll = -np.log(probs[np.arange(N), ids])
+    np.testing.assert_allclose(np.asarray(nll).reshape(N), want_nll, rtol=1e-5, atol=1e-5)
+    d_logits = (probs - np.eye(V)[ids]) * weight.reshape(N, 1)
+    d_logits = rounded(d_logits)  # the backward reads the logits' gradient in bfloat16
+    want_hidden = rounded(d_logits @ w.T).reshape(hidden.shape)
+    np.testing.assert_allclose(np.asarray(d_hidden, np.float64), want_hidden, rtol=2**-7, atol=1e-3)
+    want_kernel = h.T @ d_logits
+    np.testing.assert_allclose(
+        np.asarray(d_table).T if transposed else d_table, want_kernel, rtol=1e-3, atol=1e-4
+    )
+
+
 def test_head_cross_entropy_rejects_mismatched_shapes():
     hidden, kernel, targets = _head(0)
     with pytest.raises(ValueError, match="expected hidden \\[..., D\\] and kernel \\[D, V\\]"):

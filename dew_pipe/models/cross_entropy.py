@@ -28,6 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dew_pipe.models.layout import row_major_transpose
+
 __all__ = ["head_cross_entropy"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits per chunk: 64 MiB of float32
@@ -97,12 +99,12 @@ def head_cross_entropy(
 
 
 def _logits(hidden: jax.Array, kernel: jax.Array, transposed: bool) -> jax.Array:
+    weights = kernel.astype(hidden.dtype)
+    if transposed and hidden.dtype == jnp.bfloat16:  # [N, D] @ [D, V] on bfloat16 kernels
+        weights, transposed = row_major_transpose(weights), False
     contract = ((1,), (1,)) if transposed else ((1,), (0,))
     return jax.lax.dot_general(
-        hidden,
-        kernel.astype(hidden.dtype),
-        (contract, ((), ())),
-        preferred_element_type=jnp.float32,
+        hidden, weights, (contract, ((), ())), preferred_element_type=jnp.float32
     )
 
 
@@ -145,7 +147,18 @@ def _chunk_backward(hidden, kernel, ids, normalizer, d_nll, transposed):
     probs = jnp.exp(logits - normalizer[:, None])
     d_logits = ((probs - (index == ids[:, None])) * d_nll[:, None]).astype(hidden.dtype)
     weights = kernel.astype(hidden.dtype)
-    if transposed:  # kernel [V, D]
+    if hidden.dtype == jnp.bfloat16:  # row-major [M, K] @ [K, N] products (`layout`)
+        row_major = row_major_transpose(hidden)
+        if transposed:  # kernel [V, D]
+            d_hidden = jnp.dot(d_logits, weights, preferred_element_type=jnp.float32)
+            d_kernel = jnp.dot(row_major, d_logits, preferred_element_type=jnp.float32)
+            d_kernel = jax.lax.optimization_barrier(d_kernel).T
+        else:  # kernel [D, V]
+            d_hidden = jnp.dot(
+                d_logits, row_major_transpose(weights), preferred_element_type=jnp.float32
+            )
+            d_kernel = jnp.dot(row_major, d_logits, preferred_element_type=jnp.float32)
+    elif transposed:  # kernel [V, D]
         d_hidden = jnp.dot(d_logits, weights, preferred_element_type=jnp.float32)
         d_kernel = jnp.dot(d_logits.T, hidden, preferred_element_type=jnp.float32)
     else:  # kernel [D, V]

@@ -1,0 +1,30 @@
+"""Operand layouts that keep XLA's CPU matmuls on their bfloat16 kernels.
+
+XLA's CPU backend multiplies bfloat16 operands on its bfloat16 kernels only when both are
+row-major and contracted as ``[M, K] @ [K, N]``; any other product (a transposed operand,
+a contraction over the first axis) is widened to float32 first and runs at the float32
+rate or below. Backward passes written for bfloat16 compute transpose one operand of such
+products into a row-major copy with `row_major_transpose`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["row_major_transpose"]
+
+
+def row_major_transpose(a: jax.Array) -> jax.Array:
+    """``a.T`` of a 2-D array, as a row-major array of its own.
+
+    A plain transpose is only a layout change, which XLA folds into the product that reads
+    it (so that product is no longer row-major); flattening it behind an optimization
+    barrier makes the copy happen.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> row_major_transpose(jnp.arange(6).reshape(2, 3)).tolist()
+        [[0, 3], [1, 4], [2, 5]]
+    """
+    flat = jax.lax.optimization_barrier(a.T.reshape(-1))
+    return flat.reshape(a.shape[1], a.shape[0])
