@@ -13,7 +13,9 @@ Each side runs in its own process pinned to one core (``Trainer.train_step`` tim
 and the report gives each side's median, the ratio, and each side's loss and trained ids
 (equal sides train the same ids to the same loss).
 
-Command: ``.venv/bin/python benchmarks/shared_prompts.py [--rounds 3]``.
+Command: ``.venv/bin/python benchmarks/shared_prompts.py [--rounds 3]``; with
+``--sides shared,shared-bfloat16`` the shared rows' update in float32 against the same
+update with the decoder multiplying in bfloat16 (float32 parameters and AdamW).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import print_machine  # noqa: E402
 
 SIDES = ("plain", "shared")
+EXTRA = ("shared-bfloat16",)  # shared rows, the update multiplying in bfloat16
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,8 +44,19 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=8, help="G")
     parser.add_argument("--prompt-len", type=int, default=64, help="P, the longest prompt")
     parser.add_argument("--new-tokens", type=int, default=24, help="R")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help=f"sides to alternate, among {SIDES + EXTRA}: shared-bfloat16 is the shared "
+        "rows with the decoder's dtype=bfloat16 (float32 parameters and AdamW)",
+    )
+    parser.add_argument("--side", choices=SIDES + EXTRA, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.sides = tuple(name for name in args.sides.split(",") if name)
+    unknown = sorted(set(args.sides) - set(SIDES + EXTRA))
+    if unknown or len(args.sides) < 2:
+        parser.error(f"--sides is {args.sides}; expected two or more of {SIDES + EXTRA}")
+    return args
 
 
 def shape(args: argparse.Namespace, shared: bool) -> tuple[int, int, int]:
@@ -62,7 +76,7 @@ def side(args: argparse.Namespace) -> dict:
     from dew_pipe import Trainer, models
     from dew_pipe.objectives.rl import Call, GRPOObjective, Session, pack
 
-    shared = args.side == "shared"
+    shared = args.side.startswith("shared")
     vocab = 852
     rng = np.random.default_rng(0)
     sessions = []
@@ -78,6 +92,7 @@ def side(args: argparse.Namespace) -> dict:
     model = models.build(
         "causal_transformer", vocab_size=vocab, emb_features=128, num_layers=2, num_heads=4,
         mlp_features=512, max_seq_len=width,
+        dtype="bfloat16" if args.side.endswith("bfloat16") else "float32",
     )  # fmt: skip
     objective = GRPOObjective(
         model, seq_len=width - 1, behavior_importance=2.0, proximal_in_step=True,
@@ -109,9 +124,9 @@ def main() -> None:
         print(json.dumps(side(args)))
         return
     print_machine()
-    found: dict[str, list[dict]] = {name: [] for name in SIDES}
+    found: dict[str, list[dict]] = {name: [] for name in args.sides}
     for index in range(args.rounds):
-        order = SIDES if index % 2 == 0 else SIDES[::-1]
+        order = args.sides if index % 2 == 0 else args.sides[::-1]
         for name in order:
             command = [sys.executable, __file__, "--side", name, "--steps", str(args.steps)]
             for flag in ("prompts", "groups", "prompt_len", "new_tokens"):
@@ -123,7 +138,7 @@ def main() -> None:
     print("| side | rows x ids | ms per update, median (per round) | loss | trained ids |")
     print("|---|---|---|---:|---:|")
     medians = {}
-    for name in SIDES:
+    for name in args.sides:
         runs = found[name]
         medians[name] = statistics.median(r["ms"] for r in runs)
         per_round = ", ".join(f"{r['ms']:.1f}" for r in runs)
@@ -132,7 +147,9 @@ def main() -> None:
             f"| {name} | {rows} x {width} | {medians[name]:.1f} ({per_round}) | "
             f"{runs[0]['loss']:.6f} | {runs[0]['tokens']:.0f} |"
         )
-    print(f"plain / shared: {medians['plain'] / medians['shared']:.2f}x")
+    first = args.sides[0]
+    for name in args.sides[1:]:
+        print(f"{first} / {name}: {medians[first] / medians[name]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,10 @@ def torch_worker(args: argparse.Namespace) -> None:
     inputs, targets = text[:, :-1].contiguous(), text[:, 1:].reshape(-1).contiguous()
 
     def loss_fn(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=ids, use_cache=False).logits
+        # bfloat16: PyTorch's mixed precision on the CPU (float32 weights and optimizer,
+        # matmuls in bfloat16 under autocast), as dew_pipe's dtype=bfloat16.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bfloat16"):
+            logits = model(input_ids=ids, use_cache=False).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels)
 
     if args.torch_mode == "compile":
@@ -203,7 +206,7 @@ def dew_worker(args: argparse.Namespace) -> None:
     from dew_pipe.models import Pretrained
 
     config = dict(CONFIG, **json.loads(args.model_options))
-    model = models.build("causal_transformer", **config)
+    model = models.build("causal_transformer", **config, dtype=args.precision)
     text = np.load(args.batch_file)
     length = text.shape[1] - 1
     objective = LMObjective(model, seq_len=length, ema_decay=None)
@@ -277,6 +280,7 @@ class Side:
 def _sides(args: argparse.Namespace, work: Path, python: str) -> list[Side]:
     script = str(Path(__file__).resolve())
     common = ["--batch-file", str(work / "batch.npy"), "--threads", str(args.threads)]
+    common += ["--precision", args.precision]
     dew = [sys.executable, script, "--worker", "dew", "--model-options", args.model_options]
     sides = []
     policies = ["reuse", "system"] if args.host_memory == "both" else [args.host_memory]
@@ -323,6 +327,7 @@ def measure(args: argparse.Namespace, python: str) -> dict:
     peak, best_peak = statistics.median(per_round), max(per_round)
     report = {
         "config": config,
+        "precision": args.precision,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "tokens_per_step": tokens,
@@ -371,7 +376,7 @@ def measure(args: argparse.Namespace, python: str) -> dict:
 
 def _print(report: dict) -> None:
     print(
-        f"SFT step, batch {report['batch']} x {report['seq_len']}, "
+        f"SFT step ({report['precision']} compute), batch {report['batch']} x {report['seq_len']}, "
         f"{report['step_gflop']:.1f} GFLOP/step, matmul peak median "
         f"{report['matmul_peak_gflop_per_s']:.0f} GFLOP/s, best "
         f"{report['matmul_best_gflop_per_s']:.0f} GFLOP/s"
@@ -410,6 +415,14 @@ def main() -> None:
         choices=["reuse", "system", "both"],
         default="reuse",
         help="dew_pipe's host memory policy (DEW_PIPE_HOST_MEMORY); both: two sides",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute precision of every side (weights and AdamW stay float32): bfloat16 "
+        "is dew_pipe's dtype=bfloat16 and PyTorch's CPU autocast; the matmul rate (the "
+        "share of peak) stays float32's",
     )
     parser.add_argument("--json", type=Path, help="also write the report here")
     # worker-only arguments
