@@ -131,6 +131,26 @@ def test_self_attend_bfloat16_is_close_to_float32():
     np.testing.assert_allclose(np.asarray(got, np.float32)[REAL], np.asarray(want)[REAL], atol=0.05)
 
 
+def test_self_attend_bfloat16_gradients_are_close_to_float32():
+    # The bfloat16 backward makes row-major copies for its key and value gradients; every
+    # gradient must stay within bfloat16 rounding of the float32 one, jitted.
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    weight = jnp.asarray(np.random.default_rng(6).normal(size=(B, S, H, D)), jnp.float32)
+
+    def loss(q, k, v):
+        out = self_attend(q, k, v, mask, causal=True).astype(jnp.float32)
+        return jnp.sum(jnp.where(jnp.asarray(REAL)[..., None, None], out * weight, 0.0))
+
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))
+    want = grads(*_qkv(5))
+    got = grads(*_qkv(5, jnp.bfloat16))
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert g.dtype == jnp.bfloat16, name
+        g, w = np.asarray(g, np.float32), np.asarray(w)
+        error = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert 0 < error < 0.02, (name, error)
+
+
 def test_self_attend_queries_at_some_columns_match_numpy_and_autodiff():
     # The last block under features(columns=): the sampled columns' queries on every key.
     q, k, v = _qkv(6)

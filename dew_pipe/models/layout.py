@@ -10,12 +10,13 @@ products into a row-major copy with `row_major_transpose`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 __all__ = ["row_major_transpose"]
 
 
 def row_major_transpose(a: jax.Array) -> jax.Array:
-    """``a.T`` of a 2-D array, as a row-major array of its own.
+    """``a`` with its last two axes swapped, as a row-major array of its own.
 
     A plain transpose is only a layout change, which XLA folds into the product that reads
     it (so that product is no longer row-major); flattening it behind an optimization
@@ -26,5 +27,6 @@ def row_major_transpose(a: jax.Array) -> jax.Array:
         >>> row_major_transpose(jnp.arange(6).reshape(2, 3)).tolist()
         [[0, 3], [1, 4], [2, 5]]
     """
-    flat = jax.lax.optimization_barrier(a.T.reshape(-1))
-    return flat.reshape(a.shape[1], a.shape[0])
+    *lead, rows, columns = a.shape
+    flat = jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2).reshape(-1))
+    return flat.reshape(*lead, columns, rows)
