@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dew_pipe.models.layout import row_major_transpose
+from dew_pipe.models.layout import row_major_transpose, weight_gradient
 
 __all__ = ["head_cross_entropy"]
 
@@ -92,6 +92,11 @@ def head_cross_entropy(
     if pad:
         flat = jnp.pad(flat, ((0, pad), (0, 0)))
         ids = jnp.pad(ids, (0, pad))
+    if transposed and flat.dtype == jnp.bfloat16:
+        # [N, D] @ [D, V] runs on bfloat16 kernels only with a row-major [D, V] operand
+        # (`layout`): copy the table once, not once per chunk; its gradient flows back
+        # through the copy unrounded.
+        kernel, transposed = row_major_transpose(kernel), False
     nll, correct = _fused(
         flat.reshape(chunks, rows, features), kernel, ids.reshape(chunks, rows), transposed
     )
@@ -100,8 +105,6 @@ def head_cross_entropy(
 
 def _logits(hidden: jax.Array, kernel: jax.Array, transposed: bool) -> jax.Array:
     weights = kernel.astype(hidden.dtype)
-    if transposed and hidden.dtype == jnp.bfloat16:  # [N, D] @ [D, V] on bfloat16 kernels
-        weights, transposed = row_major_transpose(weights), False
     contract = ((1,), (1,)) if transposed else ((1,), (0,))
     return jax.lax.dot_general(
         hidden, weights, (contract, ((), ())), preferred_element_type=jnp.float32
@@ -141,23 +144,16 @@ def _fused_fwd(hidden, kernel, ids, transposed):
     return (nll, correct), (hidden, kernel, ids, normalizer)
 
 
-def _chunk_backward(hidden, kernel, ids, normalizer, d_nll, transposed):
+def _chunk_backward(hidden, kernel, rows_kernel, ids, normalizer, d_nll, transposed):
+    """One chunk's gradients; ``rows_kernel`` is bfloat16 compute's ``[V, D]`` copy."""
     logits = _logits(hidden, kernel, transposed)
     index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     probs = jnp.exp(logits - normalizer[:, None])
     d_logits = ((probs - (index == ids[:, None])) * d_nll[:, None]).astype(hidden.dtype)
     weights = kernel.astype(hidden.dtype)
     if hidden.dtype == jnp.bfloat16:  # row-major [M, K] @ [K, N] products (`layout`)
-        row_major = row_major_transpose(hidden)
-        if transposed:  # kernel [V, D]
-            d_hidden = jnp.dot(d_logits, weights, preferred_element_type=jnp.float32)
-            d_kernel = jnp.dot(row_major, d_logits, preferred_element_type=jnp.float32)
-            d_kernel = jax.lax.optimization_barrier(d_kernel).T
-        else:  # kernel [D, V]
-            d_hidden = jnp.dot(
-                d_logits, row_major_transpose(weights), preferred_element_type=jnp.float32
-            )
-            d_kernel = jnp.dot(row_major, d_logits, preferred_element_type=jnp.float32)
+        d_hidden = jnp.dot(d_logits, rows_kernel, preferred_element_type=jnp.float32)
+        d_kernel = weight_gradient(hidden, d_logits)
     elif transposed:  # kernel [V, D]
         d_hidden = jnp.dot(d_logits, weights, preferred_element_type=jnp.float32)
         d_kernel = jnp.dot(d_logits.T, hidden, preferred_element_type=jnp.float32)
@@ -170,9 +166,12 @@ def _chunk_backward(hidden, kernel, ids, normalizer, d_nll, transposed):
 def _fused_bwd(transposed, residuals, cotangents):
     hidden, kernel, ids, normalizer = residuals
     d_nll = cotangents[0].astype(jnp.float32)
+    rows_kernel = None
+    if hidden.dtype == jnp.bfloat16:  # a tied table arrives [D, V] (`head_cross_entropy`)
+        rows_kernel = row_major_transpose(kernel.astype(hidden.dtype))
     if hidden.shape[0] == 1:
         d_hidden, d_kernel = _chunk_backward(
-            hidden[0], kernel, ids[0], normalizer[0], d_nll[0], transposed
+            hidden[0], kernel, rows_kernel, ids[0], normalizer[0], d_nll[0], transposed
         )
         d_hidden = d_hidden[None]
     else:
@@ -180,7 +179,7 @@ def _fused_bwd(transposed, residuals, cotangents):
         def step(total, chunk):
             rows, chunk_ids, chunk_normalizer, chunk_d_nll = chunk
             d_hidden, d_kernel = _chunk_backward(
-                rows, kernel, chunk_ids, chunk_normalizer, chunk_d_nll, transposed
+                rows, kernel, rows_kernel, chunk_ids, chunk_normalizer, chunk_d_nll, transposed
             )
             return total + d_kernel, d_hidden
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["row_major_transpose"]
+__all__ = ["row_major_transpose", "weight_gradient"]
 
 
 def row_major_transpose(a: jax.Array) -> jax.Array:
@@ -30,3 +30,23 @@ def row_major_transpose(a: jax.Array) -> jax.Array:
     *lead, rows, columns = a.shape
     flat = jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2).reshape(-1))
     return flat.reshape(*lead, columns, rows)
+
+
+def weight_gradient(inputs: jax.Array, d_out: jax.Array) -> jax.Array:
+    """``inputs^T @ d_out``, ``[in, out]`` in float32, on the bfloat16 kernels.
+
+    The gradient of the kernel of a ``[N, in] @ [in, out]`` product, from bfloat16
+    ``inputs [N, in]`` and ``d_out [N, out]``. The narrower operand is copied into its
+    row-major transpose (`row_major_transpose`), so the copy is cheap; when that is
+    ``d_out``, the product comes out ``[out, in]`` and is transposed behind a barrier, so
+    the product itself stays row-major.
+
+    Example:
+        >>> x = jnp.ones((4, 2), jnp.bfloat16); d = jnp.ones((4, 3), jnp.bfloat16)
+        >>> weight_gradient(x, d).tolist(), weight_gradient(d, x).shape
+        ([[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]], (3, 2))
+    """
+    if inputs.shape[-1] > d_out.shape[-1]:
+        product = jnp.dot(row_major_transpose(d_out), inputs, preferred_element_type=jnp.float32)
+        return jax.lax.optimization_barrier(product).T
+    return jnp.dot(row_major_transpose(inputs), d_out, preferred_element_type=jnp.float32)

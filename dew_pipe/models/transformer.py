@@ -35,7 +35,7 @@ import numpy as np
 from dew_pipe.models import attention, checks
 from dew_pipe.models.config import TransformerConfig
 from dew_pipe.models.cross_entropy import head_cross_entropy
-from dew_pipe.models.layout import row_major_transpose
+from dew_pipe.models.layout import row_major_transpose, weight_gradient
 from dew_pipe.models.self_attention import self_attend
 
 __all__ = ["CausalTransformer", "Cache"]
@@ -138,11 +138,7 @@ def _bf16_dot_bwd(residuals: tuple[jax.Array, jax.Array], d_out: jax.Array):
     d_out = d_out.astype(flat.dtype)
     weights = row_major_transpose(kernel.astype(flat.dtype))
     d_flat = jnp.dot(d_out, weights, preferred_element_type=jnp.float32)
-    if kernel.shape[0] > kernel.shape[1]:  # d_out is the narrower: (d_out^T flat)^T
-        d_kernel = jnp.dot(row_major_transpose(d_out), flat, preferred_element_type=jnp.float32)
-        d_kernel = jax.lax.optimization_barrier(d_kernel).T
-    else:
-        d_kernel = jnp.dot(row_major_transpose(flat), d_out, preferred_element_type=jnp.float32)
+    d_kernel = weight_gradient(flat, d_out)
     return d_flat.astype(flat.dtype), d_kernel.astype(kernel.dtype)
 
 
