@@ -2,8 +2,8 @@
 
 Covers `self_attend` (blocked causal attention), `attend_step` (a decode step against a
 head-major cache), `head_cross_entropy` (fused LM head and
-softmax cross-entropy), the SwiGLU MLP's backward, the unrolled layer loop against the
-layer scan, and LMObjective's fused loss against the plain-logits loss.
+softmax cross-entropy), the SwiGLU MLP, the RMS norm, the rotary angles, the unrolled layer
+loop against the layer scan, and LMObjective's fused loss against the plain-logits loss.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dew_pipe import LMObjective, models
 from dew_pipe.models import attention
 from dew_pipe.models.cross_entropy import head_cross_entropy
 from dew_pipe.models.self_attention import self_attend
-from dew_pipe.models.transformer import dense, swiglu
+from dew_pipe.models.transformer import dense, rms_norm, swiglu
 
 # ---------------------------------------------------------------- attention
 
@@ -372,6 +372,102 @@ def test_swiglu_backward_matches_autodiff():
     want = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)[1](d_out)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """float64 values rounded to bfloat16 (round to nearest even), back in float64."""
+    return np.asarray(jnp.asarray(values, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+
+def test_swiglu_in_bfloat16_rounds_silu_then_the_product():
+    # PyTorch's arithmetic on bfloat16 tensors: silu computed wide and rounded, then the
+    # product of two bfloat16 values rounded; not a rounding after each op of silu.
+    rng = np.random.default_rng(16)
+    gate, up = (_bf16(rng.normal(size=(64, 96)) * 3) for _ in range(2))
+    got = swiglu(jnp.asarray(gate, jnp.bfloat16), jnp.asarray(up, jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    want = _bf16(_bf16(gate / (1 + np.exp(-gate))) * up)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+
+
+def _numpy_rms_norm(x, scale, eps, d_out):
+    inverse = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    normed = x * inverse
+    d_normed = d_out * scale
+    d_x = inverse * (d_normed - normed * np.mean(d_normed * normed, axis=-1, keepdims=True))
+    d_scale = np.sum((normed * d_out).reshape(-1, x.shape[-1]), axis=0)
+    return normed * scale, d_x, d_scale
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 16), (7, 2, 3, 8)])
+def test_rms_norm_gradients_match_numpy(shape):
+    rng = np.random.default_rng(17)
+    x, d_out = rng.normal(size=shape) * 2, rng.normal(size=shape)
+    scale = rng.normal(size=shape[-1:])
+    out, pullback = jax.vjp(
+        lambda a, b: rms_norm(a, b, 1e-5, jnp.float32),
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(scale, jnp.float32),
+    )
+    d_x, d_scale = pullback(jnp.asarray(d_out, jnp.float32))
+    want_out, want_d_x, want_d_scale = _numpy_rms_norm(x, scale, 1e-5, d_out)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d_x, want_d_x, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_scale, want_d_scale, rtol=1e-5, atol=1e-5)
+    # and autodiff of the same arithmetic
+    want = jax.grad(
+        lambda a, b: jnp.sum(rms_norm.fun(a, b, 1e-5, jnp.float32) * d_out), argnums=(0, 1)
+    )(jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32))
+    np.testing.assert_allclose(d_x, want[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_scale, want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_in_bfloat16_keeps_the_scale_gradient_in_float32():
+    # The forward scales the rounded normed values by the rounded scale; the scale's
+    # gradient sums float32 products of those (not products rounded to bfloat16), and
+    # comes back float32 for a float32 scale.
+    rng = np.random.default_rng(18)
+    x = _bf16(rng.normal(size=(4, 33, 16)) * 2)
+    d_out = _bf16(rng.normal(size=(4, 33, 16)))
+    scale = rng.normal(size=(16,)).astype(np.float32)
+    out, pullback = jax.vjp(
+        lambda a, b: rms_norm(a, b, 1e-6, jnp.bfloat16),
+        jnp.asarray(x, jnp.bfloat16),
+        jnp.asarray(scale),
+    )
+    d_x, d_scale = pullback(jnp.asarray(d_out, jnp.bfloat16))
+    assert (out.dtype, d_x.dtype, d_scale.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), _bf16(_bf16(normed) * _bf16(scale)))
+    want_d_scale = np.sum((_bf16(normed) * d_out).reshape(-1, 16), axis=0)
+    np.testing.assert_allclose(d_scale, want_d_scale, rtol=2e-6, atol=1e-4)
+    _, want_d_x, _ = _numpy_rms_norm(x, _bf16(scale), 1e-6, d_out)
+    np.testing.assert_allclose(np.asarray(d_x, np.float64), want_d_x, rtol=1e-2, atol=1e-2)
+
+
+def test_rotary_angles_are_computed_once_per_pass():
+    # XLA's CPU backend fused the cosine into every rotation that read it; the decoder's
+    # uncached pass computes the angles once (`rotary_angles_once`), with the same values.
+    positions = jnp.asarray([[0, 1, 2, 7], [3, 0, 1, 2]], jnp.int32)
+    inv_freq = jnp.asarray([1.0, 0.1, 0.01], jnp.float32)
+    for a, b in zip(
+        attention.rotary_angles_once(positions, inv_freq),
+        attention.rotary_angles(positions, inv_freq),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    model = models.build(
+        "causal_transformer", vocab_size=16, emb_features=16, num_layers=3, num_heads=2,
+        mlp_features=32, max_seq_len=8, scan_layers=False,
+    )  # fmt: skip
+    tokens = jnp.ones((2, 8), jnp.int32)
+    variables = model.init(jax.random.key(0), tokens)
+
+    def loss(params):
+        return jnp.sum(model.apply({"params": params}, tokens))
+
+    compiled = jax.jit(jax.grad(loss)).lower(variables["params"]).compile().as_text()
+    assert compiled.count(" cosine(") == 1, "the rotary cosine is computed more than once"
 
 
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12), (6, 6)])

@@ -45,6 +45,7 @@ __all__ = [
     "cache_mask",
     "causal_segment_mask",
     "rotary_angles",
+    "rotary_angles_once",
 ]
 
 _MASKED = -1e30
@@ -62,6 +63,25 @@ def rotary_angles(positions: jax.Array, inv_freq: jax.Array | None) -> tuple[jax
     """
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotary_angles_once(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`rotary_angles`, computed into buffers of their own for a pass with many rotations.
+
+    XLA's CPU backend fuses the cosine and sine into every fusion that reads them, and a
+    fusion evaluates its producers once per output element: each rotation of ``[B, S, H,
+    head_dim]`` queries or keys (every layer, forward and backward) would recompute both
+    ``2 * H`` times over, which cost more than the rotations themselves. Control flow is
+    a fusion boundary JAX can express, so the angles come out of a conditional whose
+    predicate (every position above the int32 minimum) always holds.
+    """
+    always = jnp.all(positions > jnp.iinfo(jnp.int32).min)
+
+    def never(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+        zeros = jnp.zeros((*positions.shape, inv_freq.shape[-1]), jnp.float32)
+        return zeros, zeros
+
+    return jax.lax.cond(always, rotary_angles, never, positions, inv_freq)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ Parameters (``L`` layers, ``D`` emb_features, ``H``/``K`` query/key heads, ``d``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -154,11 +155,15 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     largest activations of a small model); this computes both input gradients from
     ``gate`` and ``up`` in one elementwise pass instead.
     """
-    return jax.nn.silu(gate) * up
+    # silu in float32, rounded once to the compute dtype, then the product rounded once
+    # (PyTorch's arithmetic on bfloat16 tensors); XLA's CPU backend would otherwise round
+    # after every elementwise op of silu in bfloat16, and pay a convert pair for each.
+    silu = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(jnp.result_type(gate, up))
 
 
 def _swiglu_fwd(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return jax.nn.silu(gate) * up, (gate, up)
+    return swiglu(gate, up), (gate, up)
 
 
 def _swiglu_bwd(residuals: tuple[jax.Array, jax.Array], d_out: jax.Array):
@@ -188,11 +193,39 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps, self.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
-    """`RMSNorm`'s arithmetic on a given ``scale``: normalized in float32, scaled in ``dtype``."""
+    """`RMSNorm`'s arithmetic on a given ``scale``: normalized in float32, scaled in ``dtype``.
+
+    The backward pass is written out in float32 from ``x`` and the saved inverse norm: the
+    scale's gradient is a float32 sum of float32 products (autodiff would round each
+    product to a bfloat16 compute dtype first, and XLA's CPU backend ran that sum as a
+    slow windowed reduction), and ``x``'s gradient is rounded once, to ``x``'s dtype.
+    """
+    return _rms_norm_fwd(x, scale, eps, dtype)[0]
+
+
+def _rms_norm_fwd(x: jax.Array, scale: jax.Array, eps: float, dtype: Any):
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return normed.astype(dtype) * scale.astype(dtype)
+    inverse = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    out = (x32 * inverse).astype(dtype) * scale.astype(dtype)
+    return out, (x, inverse, scale)
+
+
+def _rms_norm_bwd(eps: float, dtype: Any, residuals, d_out: jax.Array):
+    x, inverse, scale = residuals
+    normed = x.astype(jnp.float32) * inverse
+    d32 = d_out.astype(jnp.float32)
+    # The forward scaled the normed values as rounded to ``dtype``, by the rounded scale.
+    rounded = normed.astype(dtype).astype(jnp.float32)
+    d_scale = jnp.sum((rounded * d32).reshape(-1, scale.shape[-1]), axis=0)
+    d_normed = d32 * scale.astype(dtype).astype(jnp.float32)
+    mean = jnp.mean(d_normed * normed, axis=-1, keepdims=True)
+    d_x = inverse * (d_normed - normed * mean)
+    return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class Attention(nn.Module):
@@ -409,7 +442,7 @@ class CausalTransformer(nn.Module):
         x = jnp.take(self.embed, tokens, axis=0).astype(cfg.dtype)
         if cache is None:
             positions = _default_positions(tokens, positions, None)
-            cos, sin = attention.rotary_angles(positions, inv_freq)
+            cos, sin = attention.rotary_angles_once(positions, inv_freq)
             mask = attention.causal_segment_mask(segment_ids, prefix_segments)
             context = dict(cos=cos, sin=sin, mask=mask)
             x, _ = self._blocks(x, None, context, columns)
