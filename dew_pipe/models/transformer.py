@@ -193,15 +193,23 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps, self.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
     """`RMSNorm`'s arithmetic on a given ``scale``: normalized in float32, scaled in ``dtype``.
 
-    The backward pass is written out in float32 from ``x`` and the saved inverse norm: the
-    scale's gradient is a float32 sum of float32 products (autodiff would round each
-    product to a bfloat16 compute dtype first, and XLA's CPU backend ran that sum as a
-    slow windowed reduction), and ``x``'s gradient is rounded once, to ``x``'s dtype.
+    In a narrower compute dtype than float32 the backward pass is written out in float32
+    from ``x`` and the saved inverse norm (`_narrow_rms_norm`): the scale's gradient is a
+    float32 sum of float32 products (autodiff would round each product to bfloat16 first,
+    and XLA's CPU backend ran that sum as a slow windowed reduction), and ``x``'s gradient
+    is rounded once, to ``x``'s dtype. Float32 compute keeps autodiff's arithmetic, so its
+    gradients round exactly as they always have.
     """
+    if jnp.dtype(dtype) == jnp.float32 and x.dtype == jnp.float32:
+        return _rms_norm_fwd(x, scale, eps, dtype)[0]
+    return _narrow_rms_norm(x, scale, eps, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _narrow_rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
     return _rms_norm_fwd(x, scale, eps, dtype)[0]
 
 
@@ -225,7 +233,7 @@ def _rms_norm_bwd(eps: float, dtype: Any, residuals, d_out: jax.Array):
     return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
 
 
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+_narrow_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class Attention(nn.Module):
