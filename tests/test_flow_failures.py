@@ -207,6 +207,18 @@ def test_run_timeout_cancels_with_run_timeout():
     assert time.monotonic() - start < BOUND_S and not _threads("overall")
 
 
+def test_run_timeout_fires_on_time_however_long_the_supervisor_may_sleep(monkeypatch):
+    from dew_pipe.flow import runtime
+
+    monkeypatch.setattr(runtime, "_SLOW_TICK_S", 60.0)  # no stage has a timeout here
+    p = Pipeline("overall-slow-tick")
+    p.chain(Source("src", _endless, output_type=int), Hang(), capacity=2)
+    start = time.monotonic()
+    with pytest.raises(RunTimeout, match="did not finish within 0.3 s"):
+        p.run(timeout=0.3)
+    assert time.monotonic() - start < BOUND_S
+
+
 def test_keyboard_interrupt_while_waiting_cancels_and_reraises():
     hang = Hang()
     p = Pipeline("ctrl-c")

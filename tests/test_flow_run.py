@@ -314,6 +314,67 @@ def test_feedback_cycle_ends_once_drained(delay):
     assert not _threads("cycle")
 
 
+def test_a_drained_cycle_ends_on_the_idle_nudge_not_a_tick(monkeypatch):
+    # With the supervisor's ticks out of reach (the run's 10 s deadline is its only
+    # timed wake-up), the cycle can only end because its last stage to go idle saw every
+    # other one idle and woke the supervisor.
+    from dew_pipe.flow import runtime
+
+    monkeypatch.setattr(runtime, "_SLOW_TICK_S", 60.0)
+    items = list(range(0, 60, 10))
+    p, out = _cycle("cycle-nudge", items, delay=0.002)
+    start = time.monotonic()
+    snap = p.run(timeout=10)
+    assert time.monotonic() - start < 5.0
+    assert sorted(out) == [x + 3 for x in items] and snap.edges["split.again->route.back"].closed
+
+
+def _ticks(monkeypatch):
+    """Every sleep the supervisor chose, recorded while the real rule picks it."""
+    from dew_pipe.flow import runtime
+
+    seen = []
+    real = runtime.Run._tick
+
+    def tick(self, *args):
+        seen.append(real(self, *args))
+        return seen[-1]
+
+    monkeypatch.setattr(runtime.Run, "_tick", tick)
+    return runtime, seen
+
+
+def test_supervisor_ticks_slowly_unless_a_stage_has_a_timeout(monkeypatch):
+    runtime, seen = _ticks(monkeypatch)
+    slow = lambda x: time.sleep(0.05) or x  # noqa: E731
+    p = Pipeline("calm")
+    p.chain(Source("s", lambda: range(6), output_type=int), Map("m", slow, input_type=int),
+            Sink("k", lambda x: None, input_type=int), capacity=2)  # fmt: skip
+    p.run(timeout=30)
+    assert seen and all(t == runtime._SLOW_TICK_S for t in seen)
+    assert runtime._SLOW_TICK_S > runtime._TICK_S
+
+    seen.clear()
+    p = Pipeline("watched")
+    p.chain(Source("s", lambda: range(6), output_type=int),
+            Map("m", slow, input_type=int, timeout=5.0),
+            Sink("k", lambda x: None, input_type=int), capacity=2)  # fmt: skip
+    p.run(timeout=30)
+    assert seen and all(t == runtime._TICK_S for t in seen)
+
+
+def test_supervisor_wakes_for_the_run_deadline_and_metrics(monkeypatch):
+    runtime, seen = _ticks(monkeypatch)
+    monkeypatch.setattr(runtime, "_SLOW_TICK_S", 60.0)
+    slow = lambda x: time.sleep(0.05) or x  # noqa: E731
+    reports = []
+    p = Pipeline("deadline")
+    p.chain(Source("s", lambda: range(4), output_type=int), Map("m", slow, input_type=int),
+            Sink("k", lambda x: None, input_type=int), capacity=2)  # fmt: skip
+    p.run(timeout=30, on_metrics=reports.append, metrics_every=0.05)
+    assert seen and max(seen) <= 0.05 and len(reports) >= 2
+
+
 def test_cycle_with_pool_and_tracked_futures_does_not_end_early():
     # a map with workers inside the cycle has work outstanding while it waits for input;
     # the cycle must not be declared drained under it

@@ -2,7 +2,7 @@
 
 Every stage runs in its own daemon thread named ``flow:<pipeline>:<stage>`` (a map's worker
 threads add ``/worker_<i>``). A supervisor thread (``flow:<pipeline>:supervisor``) ticks every
-``_TICK_S`` seconds, or sooner when nudged, to
+``_TICK_S`` seconds (``_SLOW_TICK_S`` when no stage has a timeout), or sooner when nudged, to
 
 * cancel the run when the outside ``cancel`` event is set or the run's ``timeout`` passes,
 * fail a stage that spent longer than its ``timeout`` in its own code,
@@ -45,10 +45,15 @@ from dew_pipe.flow.errors import (
 from dew_pipe.flow.metrics import EdgeStats, FlowSnapshot, StageStats
 from dew_pipe.flow.stage import Stage, StageContext, StageState
 
-# Supervisor tick: the latency of timeouts, outside cancellation and the end of a drained
-# cycle (an idle stage in a cycle nudges the supervisor at once, so that path is faster).
-# 20 ms keeps each below what a person notices and costs ~50 wake-ups a second.
+# Supervisor tick: the latency of stage timeouts, outside cancellation and the end of a
+# drained cycle (an idle stage in a cycle nudges the supervisor at once, so that path is
+# faster). 20 ms keeps each below what a person notices and costs ~50 wake-ups a second.
+# A run whose stages have no timeout waits up to _SLOW_TICK_S instead (the run's own
+# timeout and on_metrics get a wake-up at their time): each wake-up costs the stages'
+# threads a GIL hand-over, about 0.1 ms of a core, which a pipeline sharing its core with
+# the update pays in update time.
 _TICK_S = 0.02
+_SLOW_TICK_S = 0.1
 _WAIT_SLICE_S = 0.1  # Run.wait wakes this often to let the main thread handle signals
 # Collector thresholds while a run runs (generation 0 allocations, then collections of the
 # younger generation before an older one is collected): full collections become rare.
@@ -291,6 +296,7 @@ class Run:
         p = self.pipeline
         self._inboxes = {name: Inbox() for name in p.stages}
         self._states = {name: StageState(name, s.timeout) for name, s in p.stages.items()}
+        self._timed_stages = any(s.timeout is not None for s in p.stages.values())
         self._edges = [
             Edge(e.src, e.src_port, e.dst, e.dst_port, e.capacity, e.feedback, self._inboxes[e.dst])
             for e in p.edges
@@ -310,7 +316,6 @@ class Run:
                     [e for e in self._edges if e.consumer in members],
                 )
             )
-        in_cycle = {n for c in self._cycles for n in c.stages}
         self._contexts = {}
         for name, stage in p.stages.items():
             by_port_in = {
@@ -321,9 +326,27 @@ class Run:
             }
             self._contexts[name] = StageContext(
                 stage, self._states[name], self._inboxes[name], by_port_in, by_port_out,
-                self._cancelled, f"flow:{p.name}:{name}",
-                self._wake.set if name in in_cycle else None,
+                self._cancelled, f"flow:{p.name}:{name}", self._idle_nudge(name),
             )  # fmt: skip
+
+    def _idle_nudge(self, name: str) -> Callable[[], None] | None:
+        """What stage ``name`` calls on going idle: wake the supervisor once every stage of
+        one of its cycles is idle or done, the only time a drained cycle can end.
+
+        The flags of the other stages are read without their locks; a stage going idle
+        sets its flag before it looks, so of two going idle at once the later one sees
+        the other, and anything missed here is seen at the next tick.
+        """
+        cycles = [c.inboxes for c in self._cycles if name in c.stages]
+        if not cycles:
+            return None
+        wake = self._wake.set
+
+        def nudge() -> None:
+            if any(all(i.done or i.idle for i in inboxes) for inboxes in cycles):
+                wake()
+
+        return nudge
 
     def _start_threads(self) -> None:
         _COLLECTOR.enter()  # left by the supervisor when the run is done
@@ -439,7 +462,7 @@ class Run:
         next_metrics = self._t0 + self._metrics_every
         try:
             while not all(inbox.done for inbox in self._inboxes.values()):
-                self._wake.wait(_TICK_S)
+                self._wake.wait(self._tick(next_metrics, give_up))
                 self._wake.clear()
                 now = time.monotonic()
                 if self._outside is not None and self._outside.is_set():
@@ -469,6 +492,20 @@ class Run:
             self._final = self.snapshot()
             _COLLECTOR.exit()
             self._done.set()
+
+    def _tick(self, next_metrics: float, give_up: float | None) -> float:
+        """Seconds the supervisor may sleep: ``_TICK_S`` while a stage has a timeout, the
+        run is cancelled or a cycle looks stuck; else ``_SLOW_TICK_S``, cut short by the
+        run's deadline and the next metrics report."""
+        if give_up is not None or self._timed_stages or any(c.stuck_ticks for c in self._cycles):
+            return _TICK_S
+        wait = _SLOW_TICK_S
+        now = time.monotonic()
+        if self._deadline is not None:
+            wait = min(wait, self._deadline - now)
+        if self._on_metrics is not None:
+            wait = min(wait, next_metrics - now)
+        return max(wait, 0.001)
 
     def _check_timeouts(self, now: float) -> None:
         for name, st in self._states.items():
