@@ -129,6 +129,68 @@ def test_draws_from_the_server_are_read_only_arrays_of_the_checked_dtypes(server
     assert call.version == draw.version
 
 
+def _server_built(prompt, ids, behavior, raw, *, support=None):
+    from dew_pipe.inference.servers.interface import server_draw
+
+    arrays = [np.array(prompt, np.int32), np.array(ids, np.int32)]
+    likelihoods = [
+        np.array(behavior, np.float32),
+        None if raw is None else np.array(raw, np.float32),
+    ]
+    return server_draw(*arrays, likelihoods[0], "length", 3, 3, likelihoods[1], support=support)
+
+
+@pytest.mark.parametrize("raw", [[-0.5, -1.25], None])
+def test_a_server_built_draw_gives_the_call_the_checked_constructor_gives(raw, monkeypatch):
+    import pickle
+
+    from dew_pipe.objectives.rl.sessions import Call
+
+    draw = _server_built([4, 9, 1], [7, 0], [-0.25, -2.0], raw)
+    checked = Call([4, 9, 1], [7, 0], [-0.25, -2.0], "length", 3, log_probs=raw)
+
+    def unchecked(self):
+        raise AssertionError("the server checked these arrays already")
+
+    monkeypatch.setattr(Call, "__post_init__", unchecked)  # the marked draw skips them
+    for made in (draw.call(), pickle.loads(pickle.dumps(draw)).call()):  # as the process server
+        assert made == checked and type(made.version) is int and made.routed_experts is None
+        for name in ("prompt_ids", "sampled_ids", "behavior_log_probs", "log_probs"):
+            got, want = getattr(made, name), getattr(checked, name)
+            if want is None:
+                assert got is None
+                continue
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+            assert not got.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "prompt, ids, behavior, raw, error",
+    [
+        ([4, 9], [7, 2], [-0.25, np.nan], None, "Call.behavior_log_probs: expected finite"),
+        ([4, 9], [7, 2], [-0.25, -1.0], [-np.inf, -1.0], "Call.log_probs: expected finite"),
+        ([4, -9], [7, 2], [-0.25, -1.0], None, "Call.prompt_ids: expected ids in"),
+        ([4, 9], [7, -2], [-0.25, -1.0], None, "Call.sampled_ids: expected ids in"),
+    ],
+)
+def test_a_server_built_draw_that_fails_the_call_checks_still_raises(
+    prompt, ids, behavior, raw, error
+):
+    import pickle
+
+    draw = _server_built(prompt, ids, behavior, raw)
+    for made in (draw, pickle.loads(pickle.dumps(draw))):
+        with pytest.raises(ValueError, match=error):
+            made.call()
+
+
+def test_a_server_built_draw_with_support_goes_through_the_checks():
+    support = (np.array([7, 3], np.int32), np.array([5], np.int32))  # 2 is not in its support
+    draw = _server_built([4, 9], [7, 2], [-0.25, -1.0], None, support=support)
+    with pytest.raises(ValueError, match=r"Call.support\[1\]: the sampled id 2 is not in"):
+        draw.call()
+
+
 def test_a_seed_fixes_the_draw_whatever_shares_the_batch(server):
     alone = server.submit(P1, 10, seed=11).result(timeout=120)
     mates = [server.submit(P2, 12, seed=s) for s in (1, 2)]

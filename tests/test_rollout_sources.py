@@ -29,7 +29,7 @@ from dew_pipe.data.text_columns import encode_text_column
 from dew_pipe.inference import Draw, NativeRolloutServer, PromptSource, Server, ServeTask
 from dew_pipe.inference.reward_function import join_ids
 from dew_pipe.objectives.rl import prompt_tasks
-from dew_pipe.objectives.rl.sessions import SessionSource, Status, Task
+from dew_pipe.objectives.rl.sessions import Session, SessionSource, Status, Task
 from dew_pipe.sampling import Sampling
 
 EOS = 2
@@ -123,6 +123,12 @@ def test_eos_completes_the_budget_truncates_and_both_are_scored(scripted):
     assert (s2.status, s2.reward, s2.sample, s2.attempt) == (Status.TRUNCATED, 0.0, 1, 2)
     assert s1.calls == (d1.call(),) and s2.calls == (d2.call(),)
     assert (s1.calls[0].version, s2.calls[0].version) == (1, 2)  # the draws' oldest versions
+    # Built without re-running Session's checks: the record they would have made.
+    for got in (s1, s2):
+        checked = Session(got.task, got.group, got.sample, got.attempt, got.calls, got.status,
+                          got.reward, {}, "")  # fmt: skip
+        assert got == checked and vars(got) == vars(checked)
+        assert type(got.reward) is float and type(got.group) is int and got.components == {}
     # The reward reads the task's metadata and the text without the EOS that ended the draw.
     assert sorted(reward.calls) == [("src", "4 9", "4 9", "{}"), ("src", "4 9 9 9", "4 9", "{}")]
     assert all(name.startswith("prompt-reward") for name in reward.threads)

@@ -37,6 +37,7 @@ from dew_pipe._pool import WorkerPool
 from dew_pipe._validate import check_int
 from dew_pipe.inference.reward_function import RewardFunction, join_ids
 from dew_pipe.inference.servers.interface import Draw
+from dew_pipe.objectives.rl.session_records import Call, assemble
 from dew_pipe.objectives.rl.sessions import Session, Status, Task
 
 __all__ = ["PromptSource"]
@@ -87,6 +88,23 @@ class _Pending:
         self.group, self.sample, self.attempt = group, sample, attempt
         self.future: cf.Future[Session] = cf.Future()
         self.draw: cf.Future[Draw] | None = None
+
+    def scored(self, status: Status, call: Call, reward: float) -> Session:
+        """The session of a scored draw, built without re-running Session's checks: every
+        field is one this source made or checked already (ints at submission, the Call,
+        a Status, a finite float reward)."""
+        fields = {
+            "task": self.task.id,
+            "group": self.group,
+            "sample": self.sample,
+            "attempt": self.attempt,
+            "calls": (call,),
+            "status": status,
+            "reward": reward,
+            "components": {},
+            "detail": "",
+        }
+        return assemble(Session, fields)
 
     def session(self, status: Status, calls=(), reward=None, detail: str = "") -> Session:
         return Session(
@@ -369,7 +387,7 @@ class PromptSource:
         except Exception as error:  # noqa: BLE001 - a failed verifier is an infra failure
             detail = f"reward failed: {type(error).__name__}: {error}"
             return entry.session(Status.INFRA_ERROR, (call,), detail=detail)
-        return entry.session(status, (call,), float(value))
+        return entry.scored(status, call, float(value))
 
     @staticmethod
     def _set(entry: _Pending, session: Session) -> None:
