@@ -342,6 +342,32 @@ def test_session_metrics(truncation):
     )
 
 
+def test_session_metrics_masked_shares_per_status_count_every_session_of_it():
+    # A hand-made batch training part of each session's sampled ids: the share per status
+    # pools that status's sessions (1 - trained / sampled), sessions in any order.
+    def s(status, sampled, group):
+        n = sampled
+        call = Call([1], list(range(2, 2 + n)), [-1.0] * n, "length", 0)
+        return Session(0, group, 0, 0, [call], status, 0.0)
+
+    sessions = [s("COMPLETED", 3, 0), s("TRUNCATED", 4, 1), s("COMPLETED", 2, 2),
+                s("AGENT_ERROR", 5, 3)]  # fmt: skip
+    trained = [2, 1, 2, 5]  # ids of each session the batch trains on
+    width = sum(trained)
+    index = np.repeat(np.arange(4, dtype=np.int32), trained)[None, :]
+    batch = {
+        "response_mask": np.ones((1, width), np.int32),
+        "session_index": index,
+        "text_segment_ids": np.ones((1, width), np.int32),
+    }
+    m = session_metrics(sessions, batch)
+    assert m["masked/completed"] == 1.0 - 4 / 5
+    assert m["masked/truncated"] == 1.0 - 1 / 4
+    assert m["masked/agent_error"] == 0.0
+    assert m["masked/all"] == pytest.approx(1.0 - 10 / 14)
+    assert not any(k in m for k in ("masked/infra_error", "masked/cancelled"))
+
+
 def test_session_metrics_refuses_mismatches():
     sessions = metrics_sessions()
     batch = pack(sessions, 8)

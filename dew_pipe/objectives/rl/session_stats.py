@@ -18,6 +18,8 @@ from dew_pipe.objectives.rl.session_records import Session, Status, check_sessio
 __all__ = ["session_metrics"]
 
 _QUANTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
+_STATUSES = tuple(Status)
+_STATUS_CODE = {status: code for code, status in enumerate(_STATUSES)}
 
 
 def session_metrics(
@@ -118,12 +120,15 @@ def _masked(sessions: Sequence[Session], batch: Mapping[str, np.ndarray]) -> dic
         out["pack/fill"] = float(np.count_nonzero(segments) / segments.size)
     if sampled.sum():
         out["masked/all"] = float(1.0 - trained.sum() / sampled.sum())
-    statuses = np.array([s.status.value for s in sessions])
-    for status in Status:
-        of_status = statuses == status.value
-        total = sampled[of_status].sum()
+    # Per-status sums of integer counts (exact in float64 far beyond any batch).
+    codes = np.fromiter((_STATUS_CODE[s.status] for s in sessions), np.intp, len(sessions))
+    by_status = np.bincount(codes, weights=sampled, minlength=len(_STATUSES))
+    trained_by_status = np.bincount(codes, weights=trained, minlength=len(_STATUSES))
+    for code, status in enumerate(_STATUSES):
+        total = int(by_status[code])
         if total:
-            out[f"masked/{status.value}"] = float(1.0 - trained[of_status].sum() / total)
+            kept = int(trained_by_status[code])
+            out[f"masked/{status.value}"] = float(1.0 - kept / total)
     return out
 
 
@@ -156,7 +161,8 @@ def _latency(sessions: Sequence[Session], latencies: Any) -> dict[str, float]:
         raise ValueError(f"latencies: expected finite seconds >= 0, got {seconds.tolist()}")
     if not seconds.size:
         return {}
-    out = {f"latency/{name}": float(np.percentile(seconds, q)) for name, q in _QUANTILES}
+    values = np.percentile(seconds, [q for _, q in _QUANTILES])
+    out = {f"latency/{name}": float(v) for (name, _), v in zip(_QUANTILES, values, strict=True)}
     out["latency/max"] = float(seconds.max())
     return out
 
