@@ -60,6 +60,8 @@ from dew_pipe.sampling import Sampling
 
 __all__ = ["ProcessRolloutServer"]
 
+_DRAW_KINDS = ("draw", "draw_failed", "cancelled")  # messages that end a draw
+
 # Seconds close() waits for the child to close its server and exit before killing it.
 _CLOSE_S = 30.0
 
@@ -507,11 +509,18 @@ class ProcessRolloutServer:
                 message = self._connection.recv()
             except (EOFError, OSError):
                 break
+            draws = []  # a run of finished draws, delivered under one lock
             for item in message[1] if message[0] == "batch" else (message,):
+                if item[0] in _DRAW_KINDS:
+                    draws.append(item)
+                    continue
+                self._deliver_draws(draws)
+                draws = []
                 if item[0] == "closed":
                     closed = True
                     break
                 self._deliver(item)
+            self._deliver_draws(draws)
         with self._cond:
             closing = self._closing
         if not closing:
@@ -519,21 +528,29 @@ class ProcessRolloutServer:
             self._fail_all(RuntimeError(f"the rollout server process exited with code {code}"))
         self._connection.close()
 
-    def _deliver(self, message: tuple) -> None:
-        kind, key = message[0], message[1]
-        if kind in ("draw", "draw_failed", "cancelled"):
-            with self._cond:
-                future = self._pending.pop(key, None)
-                self._cond.notify_all()  # room for a blocked submit
-            if future is None or kind == "cancelled":
-                return
+    def _deliver_draws(self, messages: list[tuple]) -> None:
+        """Resolves the futures of finished, failed or cancelled draws, in order (one lock
+        and one wake-up of blocked submitters for the lot)."""
+        if not messages:
+            return
+        with self._cond:
+            futures = [self._pending.pop(message[1], None) for message in messages]
+            self._cond.notify_all()  # room for a blocked submit
+        for message, future in zip(messages, futures, strict=True):
+            if future is None or message[0] == "cancelled":
+                continue
             try:
-                if kind == "draw":
+                if message[0] == "draw":
                     future.set_result(message[2])
                 else:
                     future.set_exception(message[2])
             except InvalidStateError:  # cancelled here while the child finished it
                 pass
+
+    def _deliver(self, message: tuple) -> None:
+        kind, key = message[0], message[1]
+        if kind in _DRAW_KINDS:
+            self._deliver_draws([message])
             return
         if kind in ("loaded", "load_failed"):
             with self._cond:
