@@ -137,8 +137,15 @@ def stamp_sessions(sessions: Sequence[Session], stamps: Sequence[Stamps]) -> pa.
     return rb
 
 
-def unstamp_sessions(batch: pa.RecordBatch) -> tuple[list[Session], list[Stamps]]:
+def unstamp_sessions(
+    batch: pa.RecordBatch, *, tasks: bool = True
+) -> tuple[list[Session], list[Stamps]]:
     """The sessions and stamps of a :data:`SESSION_ROWS` batch.
+
+    Args:
+      batch: the stamped sessions.
+      tasks: rebuild each stamp's :class:`Task` from the task columns; False leaves
+        ``Stamps.task`` None, for a reader that never looks at it (pack).
 
     Raises:
       ValueError: a batch without the stamp columns or ``calls``, naming the column.
@@ -147,7 +154,7 @@ def unstamp_sessions(batch: pa.RecordBatch) -> tuple[list[Session], list[Stamps]
         if field.name not in batch.schema.names:
             raise ValueError(f"stamped sessions: missing column {field.name!r}")
     sessions = from_arrow(batch.select(sessions_schema().names))
-    tasks = tasks_from_arrow(batch.select(TASKS_SCHEMA.names))
+    rows = tasks_from_arrow(batch.select(TASKS_SCHEMA.names)) if tasks else None
     columns = {
         name: batch.column(name).to_pylist()
         for name in ("batch", "submitted_version", "latency", "cause")
@@ -158,7 +165,7 @@ def unstamp_sessions(batch: pa.RecordBatch) -> tuple[list[Session], list[Stamps]
             columns["submitted_version"][i],
             columns["latency"][i],
             columns["cause"][i],
-            task_from_row(tasks[i]),
+            None if rows is None else task_from_row(rows[i]),
         )
         for i in range(batch.num_rows)
     ]

@@ -155,7 +155,7 @@ class Pack(Stage):
     def _take(self, ctx: StageContext, batch: pa.RecordBatch) -> None:
         from dew_pipe.stages.messages import unstamp_sessions
 
-        sessions, stamps = unstamp_sessions(batch)
+        sessions, stamps = unstamp_sessions(batch, tasks=False)  # admission never reads them
         for session, stamp in zip(sessions, stamps, strict=True):
             if not self.admission.knows(stamp.batch):
                 self._drain_plans(ctx)  # rollout put the plan before submitting

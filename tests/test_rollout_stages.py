@@ -1,5 +1,6 @@
 """The RL stages one by one, and wired by hand in a user's pipeline without a trainer."""
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 
@@ -57,6 +58,10 @@ def test_stamps_and_tasks_round_trip_through_arrow():
         (1, 4, 0.5, "timeout"),
     ]
     assert got_stamps[1].task.data["prompt"].tolist() == [4, 5]
+    # Without the tasks (what pack reads): the same sessions and stamps, no Task built.
+    bare, bare_stamps = unstamp_sessions(rb, tasks=False)
+    assert bare == sessions and [s.task for s in bare_stamps] == [None, None]
+    assert [dataclasses.replace(s, task=None) for s in got_stamps] == bare_stamps
     with pytest.raises(TypeError, match="Task.data of task 5 is a list"):
         task_row(Task(5, [1, 2]))
     with pytest.raises(ValueError, match="has key 'answer'"):
