@@ -53,13 +53,6 @@ def _call_type() -> type[Call]:
     return Call
 
 
-def _assemble() -> Any:
-    """`session_records.assemble`, imported on first use like `Call`."""
-    from dew_pipe.objectives.rl.session_records import assemble
-
-    return assemble
-
-
 def _call_ready(
     prompt_ids: np.ndarray,
     sampled_ids: np.ndarray,
@@ -81,12 +74,6 @@ def _call_ready(
         and (n == 0 or sampled_ids.min() >= 0)
         and bool(np.isfinite(np.concatenate(likelihoods)).all())
     )
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
 
 
 def _array(name: str, value: Any, dtype: Any, length: int | None) -> np.ndarray:
@@ -204,17 +191,19 @@ class Draw:
         if ready and self.support is None and self.routed_experts is None:
             # `server_draw` found every check Call makes passing (in the server's process,
             # where it costs the trainer's core nothing): build it without running them.
+            from dew_pipe.objectives.rl.session_records import _frozen, assemble
+
             fields = {
-                "prompt_ids": _read_only(self.prompt_ids),
-                "sampled_ids": _read_only(self.sampled_ids),
-                "behavior_log_probs": _read_only(self.behavior_log_probs),
+                "prompt_ids": _frozen(self.prompt_ids),
+                "sampled_ids": _frozen(self.sampled_ids),
+                "behavior_log_probs": _frozen(self.behavior_log_probs),
                 "finish_reason": self.finish_reason,
                 "version": self.version,
-                "log_probs": None if self.log_probs is None else _read_only(self.log_probs),
+                "log_probs": None if self.log_probs is None else _frozen(self.log_probs),
                 "routed_experts": None,
                 "support": None,
             }
-            return _assemble()(_call_type(), fields)
+            return assemble(_call_type(), fields)
         return _call_type()(
             self.prompt_ids,
             self.sampled_ids,
