@@ -191,9 +191,50 @@ def test_self_attend_rejects_shapes_that_disagree():
     with pytest.raises(ValueError, match=r"mask \(2, 16, 15\); expected .*\[B, S, T\]"):
         self_attend(q, k, v, mask[:, :, :15])
     with pytest.raises(
-        ValueError, match="causal attention needs as many keys as queries; got 16 and 5"
+        ValueError, match="causal attention needs at least as many keys as queries; got 5 and 16"
     ):
-        self_attend(q[:, :5], k, v, mask[:, :5], causal=True)
+        self_attend(q, k[:, :5], v[:, :5], mask[:, :, :5], causal=True)
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 6])
+def test_self_attend_causal_queries_at_increasing_columns_skip_only_unseen_keys(blocks):
+    """Queries at strictly increasing columns keep the causal promise with fewer queries than
+    keys: each block reads keys up to T - S + its end, and values and gradients equal the
+    unpromised call's on every query that attends something."""
+    q, k, v = _qkv(11)
+    mask = attention.causal_segment_mask(jnp.asarray(SEGMENTS))
+    # Six increasing columns a row, padding columns (row 0's 13-15, row 1's 0-3) among them.
+    columns = jnp.asarray([[0, 3, 6, 9, 12, 15], [1, 4, 5, 10, 11, 14]])
+    q_cols = jnp.take_along_axis(q, columns[:, :, None, None], axis=1)
+    mask_cols = jnp.take_along_axis(mask, columns[:, :, None], axis=1)
+    real = np.take_along_axis(REAL, np.asarray(columns), axis=1)
+    weight = jnp.asarray(
+        np.random.default_rng(12).normal(size=q_cols.shape) * real[:, :, None, None], jnp.float32
+    )
+
+    def run(**promise):
+        def loss(q, k, v):
+            return jnp.sum(self_attend(q, k, v, mask_cols, **promise) * weight)
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q_cols, k, v)
+
+    def outputs(**promise):
+        return np.asarray(jax.jit(lambda: self_attend(q_cols, k, v, mask_cols, **promise))())
+
+    want = _numpy_attention(q_cols, k, v, np.asarray(mask_cols))
+    got = outputs(causal=True, blocks=blocks)
+    np.testing.assert_allclose(got[real], want[real], atol=2e-6, rtol=1e-5)
+    (value, grads), (want_value, want_grads) = run(causal=True, blocks=blocks), run()
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for a, b in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    # The blocks really skip keys: columns out of order break the promise and the result.
+    shuffled = columns[:, ::-1]
+    q_back = jnp.take_along_axis(q, shuffled[:, :, None, None], axis=1)
+    mask_back = jnp.take_along_axis(mask, shuffled[:, :, None], axis=1)
+    broken = np.asarray(self_attend(q_back, k, v, mask_back, causal=True, blocks=blocks))
+    honest = _numpy_attention(q_back, k, v, np.asarray(mask_back))
+    assert not np.allclose(broken[real[:, ::-1]], honest[real[:, ::-1]], atol=1e-3)
 
 
 def test_self_attend_rejects_blocks_that_do_not_divide():

@@ -238,6 +238,51 @@ def test_features_on_columns_equal_the_whole_rows_there(change):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_increasing_columns_promise_gives_the_same_values_and_gradients():
+    """features(columns=c, increasing_columns=True) with 96 increasing columns of 128 (two
+    blocks of 48 queries in the last block, the second reading keys up to 128 - 96 + 96):
+    the same hidden states and gradients as without the promise and as features()[c]."""
+    model = models.build("causal_transformer", **dict(SMALL, max_seq_len=128))
+    variables = _random_params(model, 41)
+    tokens = _tokens(42, (2, 128))
+    segments = np.array([[1] * 50 + [2] * 70 + [0] * 8, [0] * 10 + [1] * 118], np.int32)
+    positions = np.where(segments > 0, np.arange(128) - np.array([[0], [10]]), 0)
+    positions[0, 50:120] = np.arange(70)
+    rng = np.random.default_rng(43)
+    columns = np.sort(np.stack([rng.choice(128, 96, replace=False) for _ in range(2)]), axis=1)
+    columns = columns.astype(np.int32)
+    real = (np.take_along_axis(segments, columns, axis=1) > 0)[..., None]
+    weights = rng.normal(size=(2, 96, SMALL["emb_features"])) * real
+
+    def picked(v, **promise):
+        return model.apply(
+            v, tokens, segments, positions, method="features", columns=columns, **promise
+        )
+
+    def taken(v):
+        hidden = model.apply(v, tokens, segments, positions, method="features")
+        return jnp.take_along_axis(hidden, columns[:, :, None], axis=1)
+
+    promised = jax.jit(lambda v: picked(v, increasing_columns=True))
+    got = promised(variables)
+    for want in (jax.jit(picked)(variables), jax.jit(taken)(variables)):
+        np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-6)
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda v: jnp.sum(fn(v) * weights)))(variables)
+
+    got_grads = grads(lambda v: picked(v, increasing_columns=True))
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads(picked)), strict=True):
+        # float32 rounding of softmax sums taken over other key spans, at each leaf's scale
+        np.testing.assert_allclose(a, b, atol=4e-6 * np.abs(b).max(), rtol=1e-5)
+    # The promise changes the computation: the second block's scores read 128 keys, the
+    # first block's only 80 (and without the promise every block reads 128).
+    text = str(jax.make_jaxpr(lambda v: picked(v, increasing_columns=True))(variables))
+    assert ",80]" in text and ",80]" not in str(jax.make_jaxpr(picked)(variables))
+    with pytest.raises(TypeError, match="increasing_columns is 1; expected a bool"):
+        picked(variables, increasing_columns=1)
+
+
 @pytest.mark.parametrize("scan", [None, True], ids=["unrolled", "scan"])
 def test_columns_as_wide_as_the_rows_are_still_taken(scan):
     """K == S: a reordering of every column comes back in the asked order."""

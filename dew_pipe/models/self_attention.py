@@ -47,21 +47,23 @@ def self_attend(
 ) -> jax.Array:
     """Masked grouped-query attention of a sequence on itself.
 
-    The queries may also be some positions of the sequence only (``S`` of its ``T``, with
-    ``causal=False``): the last block of ``features(columns=)`` reads every key for the
-    sampled columns' queries alone.
+    The queries may also be some positions of the sequence only (``S`` of its ``T``): the
+    last block of ``features(columns=)`` computes the sampled columns' queries alone.
 
     Args:
         query: ``[B, S, H, D]``, already rotated and scaled by ``D ** -0.5``.
-        key: ``[B, T, K, D]`` rotated keys; ``K`` divides ``H``. ``T == S`` when causal.
+        key: ``[B, T, K, D]`` rotated keys; ``K`` divides ``H``; ``T >= S`` when causal.
         value: ``[B, T, K, D]``.
         mask: ``[B, S, T]`` bool, True where query i may attend key j.
-        causal: promise that ``mask[:, i, j]`` is False whenever ``j > i``; then each block
-            of queries skips the keys after it (``(n + 1) / 2n`` of the score entries for n
-            blocks: 62.5% at four). Results are the same as without the promise for every
-            query that attends something.
+        causal: promise that ``mask[:, i, j]`` is False whenever ``j > T - S + i`` (with
+            ``T == S``: whenever ``j > i``); then each block of queries skips the keys after
+            its last one's bound (``(n + 1) / 2n`` of the score entries for n blocks when
+            ``T == S``: 62.5% at four). Queries at strictly increasing positions of the
+            sequence keep the promise under a causal mask, since the i-th of S such
+            positions is at most ``T - S + i``. Results are the same as without the promise
+            for every query that attends something.
         blocks: query blocks for ``causal``; None picks the most of 8, 4, 2 or 1 that divide
-            ``S`` into blocks of at least 64 positions.
+            ``S`` into blocks of at least 48 queries.
 
     Returns:
         ``[B, S, H, D]`` in the query's dtype. A query whose mask row is all False (padding)
@@ -83,13 +85,15 @@ def self_attend(
             f"query {query.shape}, key {key.shape}, value {value.shape} and mask "
             f"{mask.shape}; expected [B, S, H, D], [B, T, K, D] twice and [B, S, T]"
         )
-    if causal and span != length:
-        raise ValueError(f"causal attention needs as many keys as queries; got {span} and {length}")
+    if causal and span < length:
+        raise ValueError(
+            f"causal attention needs at least as many keys as queries; got {span} and {length}"
+        )
     group = heads // kv_heads
     if not causal:
         blocks = 1
     elif blocks is None:
-        blocks = next(n for n in (8, 4, 2, 1) if length % n == 0 and length // n >= 64 or n == 1)
+        blocks = next(n for n in (8, 4, 2, 1) if length % n == 0 and length // n >= 48 or n == 1)
     if blocks < 1 or length % blocks:
         raise ValueError(f"blocks is {blocks}; expected a positive divisor of the length {length}")
     # Rows ordered (position, group): a block of positions is a contiguous run of rows.
@@ -102,14 +106,16 @@ def self_attend(
 
 
 def _spans(length: int, blocks: int, keys: int) -> list[tuple[int, int, int]]:
-    """Per query block: its first query position, the one after its last, and the keys it sees.
+    """Per query block: its first query, the one after its last, and the keys it sees.
 
-    A single block sees every key; causal blocks see the keys up to their last position.
+    A single block sees every key; causal blocks see the keys up to their last query's
+    bound, ``keys - length + end`` (the queries are the last ``length`` of ``keys``
+    positions, or positions no later than those).
     """
     if blocks == 1:
         return [(0, length, keys)]
     size = length // blocks
-    return [(i * size, (i + 1) * size, (i + 1) * size) for i in range(blocks)]
+    return [(i * size, (i + 1) * size, keys - length + (i + 1) * size) for i in range(blocks)]
 
 
 def _scores(rows: jax.Array, keys: jax.Array, mask: jax.Array) -> jax.Array:

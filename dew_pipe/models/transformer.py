@@ -266,10 +266,13 @@ class Attention(nn.Module):
         if layer_cache is None and "columns" in context:
             # Only some rows' queries are read (the last block under features(columns=)):
             # every key and value, the queries of those columns alone.
+            # Columns that strictly increase keep self_attend's causal promise (the i-th of
+            # K is at most S - K + i), so each block of their queries skips the later keys.
             columns = context["columns"]
             q = jnp.take_along_axis(q, columns[:, :, None, None], axis=1)
             mask = jnp.take_along_axis(context["mask"], columns[:, :, None], axis=1)
-            out = self_attend(q, k, v, mask).reshape(*columns.shape, H * d)
+            causal = context.get("increasing", False)
+            out = self_attend(q, k, v, mask, causal=causal).reshape(*columns.shape, H * d)
             return dense(out, o_w), None
         if layer_cache is None:
             # The mask comes from causal_segment_mask: causal, so key blocks can be skipped.
@@ -423,6 +426,7 @@ class CausalTransformer(nn.Module):
         cache_index: jax.Array | None = None,
         columns: jax.Array | None = None,
         prefix_segments: jax.Array | None = None,
+        increasing_columns: bool = False,
     ) -> jax.Array | tuple[jax.Array, Cache]:
         """Final-normed hidden states ``[B, S, D]`` in ``dtype`` (plus the cache if given).
 
@@ -439,12 +443,20 @@ class CausalTransformer(nn.Module):
         the columns are taken at the end. Column values are not checked (they are only
         known inside the compiled call): pass values in ``[0, S)``; negative ones count
         from the row's end, as in NumPy, and ones past either end read NaN.
+
+        ``increasing_columns=True`` promises that each row's ``columns`` strictly increase
+        (unchecked, like their range). The last block's attention then skips, for each
+        block of those queries, the keys that no query of the block can see; the results
+        are the same up to float rounding (the order of the softmax sums changes). Columns
+        out of order under the promise read wrong values.
         """
         cfg = self.config
         inv_freq = jnp.asarray(cfg.inverse_frequencies())
         tokens, segment_ids, positions = checks.inputs(cfg, tokens, segment_ids, positions)
         if columns is not None:
             columns = checks.columns(columns, tokens.shape, cache)
+        if not isinstance(increasing_columns, bool):
+            raise TypeError(f"increasing_columns is {increasing_columns!r}; expected a bool")
         if prefix_segments is not None:
             prefix_segments = checks.prefix_segments(prefix_segments, tokens.shape, cache)
         x = jnp.take(self.embed, tokens, axis=0).astype(cfg.dtype)
@@ -453,7 +465,7 @@ class CausalTransformer(nn.Module):
             cos, sin = attention.rotary_angles_once(positions, inv_freq)
             mask = attention.causal_segment_mask(segment_ids, prefix_segments)
             context = dict(cos=cos, sin=sin, mask=mask)
-            x, _ = self._blocks(x, None, context, columns)
+            x, _ = self._blocks(x, None, context, columns, increasing_columns)
             return self.final_norm(x)
         cache_index = checks.cache(cfg, cache, cache_index, tokens.shape)
         positions = _default_positions(tokens, positions, cache_index)
@@ -470,10 +482,12 @@ class CausalTransformer(nn.Module):
         caches: tuple[jax.Array, jax.Array] | None,
         context: dict,
         columns: jax.Array | None = None,
+        increasing: bool = False,
     ) -> tuple[jax.Array, Any]:
         """Runs every block: under the layer scan, or one after another (``scan_layers``).
         Given ``columns``, returns those columns only: unrolled, the last block computes
-        them alone; under the scan, every block runs whole and they are taken after."""
+        them alone (``increasing``: they strictly increase in each row); under the scan,
+        every block runs whole and they are taken after."""
         cfg = self.config
         if cfg.uses_layer_scan or self.is_initializing():
             x, entries = self.layers(x, caches, context)
@@ -497,6 +511,8 @@ class CausalTransformer(nn.Module):
             layer_cache = None if caches is None else (caches[0][index], caches[1][index])
             if columns is not None and index == cfg.num_layers - 1:
                 context = {**context, "columns": columns}  # the last block: those columns
+                if increasing:  # a static flag, not an array
+                    context["increasing"] = True
             x, new = layer(params, x, layer_cache, context)
             entries.append(new)
         if caches is None:

@@ -15,12 +15,14 @@ the ids the sampler kept for it, the sampled id always included (slime's top-p r
 The entropy metric reads the temperature-scaled logits without that restriction.
 
 With ``response_columns=K`` the loss runs the output head and the log-softmax on ``K``
-columns per row, the row's sampled ids gathered to the front, instead of on all ``W - 1``:
-in RL batches most columns are prompt ids whose log-probabilities the loss never reads, and
-the head (``[tokens, D] x [D, V]``, forward and backward) is among the step's largest
-matmuls. A `CausalTransformer` goes further (``features(..., columns=)``): its last block
-computes the queries, attention output and MLP of those ``K`` columns alone, since no other
-column's output reaches the loss; its keys and values still cover every column. A step whose
+columns per row (its sampled ids, padded with its first other columns, in column order)
+instead of on all ``W - 1``: in RL batches most columns are prompt ids whose
+log-probabilities the loss never reads, and the head (``[tokens, D] x [D, V]``, forward and
+backward) is among the step's largest matmuls. A `CausalTransformer` goes further
+(``features(..., columns=)``): its last block computes the queries, attention output and
+MLP of those ``K`` columns alone, since no other column's output reaches the loss; its keys
+and values still cover every column, and since the columns increase, each block of their
+queries skips the keys past its last column's reach (``increasing_columns``). A step whose
 batch has a row with more than ``K`` sampled ids runs whole rows instead (both are compiled;
 ``lax.cond`` picks one per step), and its metric ``response_columns_overflow`` is 1. Either
 way the loss is the same, up to float rounding.
@@ -154,12 +156,14 @@ def _sampled_head(
 
     ``hidden_at(order)`` gives the hidden states ``[N, columns, D]`` at columns ``order``
     of each row; the hidden state at column c predicts ``targets [N, S]`` at c, and
-    ``sampled [N, S]`` marks the ones wanted, at most ``columns`` per row. Each row's marked
-    positions are gathered to the front (a stable sort keeps their order), the head and
-    log-softmax run on ``[N, columns]`` and the results go back to their columns, 0 in the
-    others. Returns ``[N, S]`` twice.
+    ``sampled [N, S]`` marks the ones wanted, at most ``columns`` per row. Each row takes
+    its marked positions and, to make up ``columns``, its first unmarked ones, in column
+    order (strictly increasing, which `CausalTransformer.features` can exploit); the head
+    and log-softmax run on ``[N, columns]`` and the results go back to their columns, 0 in
+    the others. Returns ``[N, S]`` twice.
     """
-    order = jnp.argsort(~sampled, axis=1, stable=True)[:, :columns]  # marked columns first
+    chosen = jnp.argsort(~sampled, axis=1, stable=True)[:, :columns]  # marked ones first
+    order = jnp.sort(chosen, axis=1)
     kept = jnp.take_along_axis(sampled, order, axis=1)
     picked = hidden_at(order)
     log_probs, entropy = token_log_probs(
@@ -411,7 +415,12 @@ class GRPOObjective:
                 def gathered() -> tuple[jax.Array, jax.Array]:
                     def hidden_at(order: jax.Array) -> jax.Array:
                         return model.apply(
-                            variables, *inputs, method="features", columns=order, **shared
+                            variables,
+                            *inputs,
+                            method="features",
+                            columns=order,
+                            increasing_columns=True,  # _sampled_head sorts them
+                            **shared,
                         )
 
                     return _sampled_head(head, hidden_at, targets, sampled, columns, temperature)
