@@ -15,7 +15,10 @@ and the report gives each side's median, the ratio, and each side's loss and tra
 
 Command: ``.venv/bin/python benchmarks/shared_prompts.py [--rounds 3]``; with
 ``--sides shared,shared-bfloat16`` the shared rows' update in float32 against the same
-update with the decoder multiplying in bfloat16 (float32 parameters and AdamW).
+update with the decoder multiplying in bfloat16 (float32 parameters and AdamW). The side
+``shared-bfloat16-all-keys`` is ``shared-bfloat16`` with the last block's column queries
+reading every key, as before ``features(increasing_columns=True)`` (this process drops the
+flag the objective passes), for the record of what that promise saves.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import print_machine  # noqa: E402
 
 SIDES = ("plain", "shared")
-EXTRA = ("shared-bfloat16",)  # shared rows, the update multiplying in bfloat16
+# shared rows, the update multiplying in bfloat16; the same without increasing_columns
+EXTRA = ("shared-bfloat16", "shared-bfloat16-all-keys")
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +52,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--sides",
         default=",".join(SIDES),
         help=f"sides to alternate, among {SIDES + EXTRA}: shared-bfloat16 is the shared "
-        "rows with the decoder's dtype=bfloat16 (float32 parameters and AdamW)",
+        "rows with the decoder's dtype=bfloat16 (float32 parameters and AdamW); "
+        "shared-bfloat16-all-keys the same with every key read by the last block's columns",
     )
     parser.add_argument("--side", choices=SIDES + EXTRA, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -67,6 +72,19 @@ def shape(args: argparse.Namespace, shared: bool) -> tuple[int, int, int]:
     return -(-seq_len // 8) * 8 + 1, args.prompts, args.groups * args.new_tokens
 
 
+def all_keys() -> None:
+    """Make this process's decoder ignore ``increasing_columns``: the last block's column
+    queries then read every key, the computation before that promise."""
+    from dew_pipe.models.transformer import CausalTransformer
+
+    features = CausalTransformer.features
+
+    def every_key(self, *args, increasing_columns: bool = False, **kwargs):
+        return features(self, *args, **kwargs)
+
+    CausalTransformer.features = every_key
+
+
 def side(args: argparse.Namespace) -> dict:
     os.sched_setaffinity(0, {0})  # before JAX starts its threads
     import jax
@@ -77,6 +95,8 @@ def side(args: argparse.Namespace) -> dict:
     from dew_pipe.objectives.rl import Call, GRPOObjective, Session, pack
 
     shared = args.side.startswith("shared")
+    if args.side.endswith("all-keys"):
+        all_keys()
     vocab = 852
     rng = np.random.default_rng(0)
     sessions = []
@@ -92,7 +112,7 @@ def side(args: argparse.Namespace) -> dict:
     model = models.build(
         "causal_transformer", vocab_size=vocab, emb_features=128, num_layers=2, num_heads=4,
         mlp_features=512, max_seq_len=width,
-        dtype="bfloat16" if args.side.endswith("bfloat16") else "float32",
+        dtype="bfloat16" if "bfloat16" in args.side else "float32",
     )  # fmt: skip
     objective = GRPOObjective(
         model, seq_len=width - 1, behavior_importance=2.0, proximal_in_step=True,
