@@ -9,6 +9,8 @@ when that is the cause. Following the advice must then work.
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import shutil
 import subprocess
@@ -192,6 +194,59 @@ def test_unreadable_arrays_print_no_event_loop_tracebacks(run_dir):
     assert "refused: checkpoint" in result.stdout and "(step 2)" in result.stdout
     assert "Event loop is closed" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _failed_read(function: str, filename: str) -> tuple:
+    """exc_info of an error raised inside ``function`` defined in ``filename``."""
+    namespace: dict = {}
+    source = f"async def {function}():\n    raise ValueError('truncated array')\n"
+    exec(compile(source, filename, "exec"), namespace)
+    coroutine = namespace[function]()
+    try:
+        coroutine.send(None)
+    except ValueError:
+        return sys.exc_info()
+    raise AssertionError("the coroutine did not raise")
+
+
+def test_unretrieved_orbax_reads_are_dropped_and_nothing_else():
+    # The other flavour of the race above: asyncio logs a failed read task that nobody
+    # awaited ("Task exception was never retrieved") when it is collected. Only records of
+    # that message whose traceback runs through orbax's async_deserialize are dropped.
+    from dew_pipe.training import checkpoints
+
+    orbax_file = "/site-packages/orbax/checkpoint/_src/serialization/serialization.py"
+    never = "Task exception was never retrieved\nfuture: <Task finished coro=<...>>"
+
+    def record(message, exc_info):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, exc_info)
+
+    orbax_read = _failed_read("async_deserialize", orbax_file)
+    dropped = record(never, orbax_read)
+    kept = [
+        record(never, _failed_read("async_deserialize", "/site-packages/mine/io.py")),
+        record(never, _failed_read("async_serialize", orbax_file)),
+        record("Exception in callback", orbax_read),
+        record(never, None),
+    ]
+    assert checkpoints._is_unretrieved_orbax_read(dropped)
+    assert not any(checkpoints._is_unretrieved_orbax_read(r) for r in kept)
+
+    logger = logging.getLogger("asyncio")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        checkpoints._quiet_unretrieved_reads()
+        checkpoints._quiet_unretrieved_reads()  # installed once
+        quiet = [f for f in logger.filters if isinstance(f, checkpoints._QuietUnretrievedReads)]
+        assert len(quiet) == 1
+        logger.handle(dropped)
+        assert stream.getvalue() == ""
+        logger.handle(kept[0])
+        assert "truncated array" in stream.getvalue()
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_a_file_where_the_checkpoints_go_is_refused_without_a_hang(run_dir):

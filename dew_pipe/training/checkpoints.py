@@ -23,6 +23,7 @@ Restoring tells two failures apart, and every message names the step's directory
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import traceback
@@ -181,6 +182,40 @@ def _quiet_closed_loop_callbacks() -> None:
     sys.unraisablehook = hook
 
 
+def _is_unretrieved_orbax_read(record: logging.LogRecord) -> bool:
+    """Whether an asyncio log record is a failed orbax array read nobody awaited."""
+    if not str(record.msg).startswith("Task exception was never retrieved"):
+        return False
+    if not record.exc_info or record.exc_info[2] is None:
+        return False
+    frames = traceback.extract_tb(record.exc_info[2])
+    return any(
+        frame.name == "async_deserialize" and "orbax" in Path(frame.filename).parts
+        for frame in frames
+    )
+
+
+class _QuietUnretrievedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of orbax array reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_unretrieved_orbax_read(record)
+
+
+def _quiet_unretrieved_reads() -> None:
+    """Keep the other failed reads of a damaged checkpoint from logging tracebacks.
+
+    The same race as :func:`_quiet_closed_loop_callbacks`, seen from asyncio: a read task
+    that failed after orbax stopped waiting for it is collected with its exception never
+    retrieved, and asyncio logs that with a traceback. The restore has already raised the
+    first failure as a :class:`CheckpointError`; this drops exactly those reports (tasks
+    whose traceback passes through orbax's ``async_deserialize``), installed once.
+    """
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _QuietUnretrievedReads) for f in logger.filters):
+        logger.addFilter(_QuietUnretrievedReads())
+
+
 class Checkpoints:
     """A bounded series of training checkpoints in ``directory``.
 
@@ -277,6 +312,7 @@ class Checkpoints:
                 f"ema_decay or accumulate changed?): {differences}"
             )
         _quiet_closed_loop_callbacks()  # before: late reports can come at any moment
+        _quiet_unretrieved_reads()
         try:
             tree = self._manager.restore(
                 step,
